@@ -1,0 +1,1 @@
+"""Benchmarks: each task family in its own module, producing tokenized :class:`Sample` objects."""

@@ -1,0 +1,31 @@
+"""What every benchmark hands the runner, and how prompts become token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt of one task, ready to prefill. ``metric`` names a function in :mod:`.metrics`."""
+
+    task: str
+    id: str
+    input_ids: tuple[int, ...]
+    answers: tuple[str, ...]
+    max_new_tokens: int
+    metric: str
+    meta: dict = field(default_factory=dict)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, answer_prefix: str = "",
+                  chat_template: bool = True) -> list[int]:
+    """Token ids of ``user_text`` (wrapped in the chat template as one user turn when asked) followed by the
+    answer prefix, which RULER appends after the assistant header."""
+    if chat_template and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text + answer_prefix, add_special_tokens=False)["input_ids"]
+    return tokenizer(user_text + answer_prefix)["input_ids"]

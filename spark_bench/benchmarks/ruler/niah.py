@@ -1,0 +1,164 @@
+"""RULER needle-in-a-haystack tasks (``scripts/data/synthetic/niah.py`` and ``synthetic.yaml`` of RULER).
+
+Each task fixes the haystack type (``repeat`` noise sentences, ``essay`` prose, or ``needle`` distractor
+needles), the key/value types (``words`` adjective-noun pairs from wonderwords' lists, 7-digit ``numbers``,
+``uuids``) and the needle counts. Needles read ``One of the special magic {type} for {key} is: {value}.``; essay
+needles go between sentences at depths drawn from 40 evenly spaced percentages, the others at random sentence
+slots. The haystack is grown in RULER's increments until the prompt plus the tokens to generate reaches the target
+length (measured with the model's own tokenizer and chat template). Samples are deterministic given the seed.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from spark_bench.benchmarks.base import Sample, encode_prompt
+from spark_bench.benchmarks.ruler.haystack import ESSAY_CORPUS, NOISE, essay_words, split_sentences
+
+TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
+            "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
+            "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?")
+ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
+NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
+TOKENS_TO_GENERATE = 128
+DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]
+
+
+@dataclass(frozen=True)
+class NiahTask:
+    haystack: str
+    key_type: str = "words"
+    value_type: str = "numbers"
+    num_keys: int = 1
+    num_values: int = 1
+    num_queries: int = 1
+
+
+NIAH_TASKS = {
+    "niah_single_1": NiahTask("repeat"),
+    "niah_single_2": NiahTask("essay"),
+    "niah_single_3": NiahTask("essay", value_type="uuids"),
+    "niah_multikey_1": NiahTask("essay", num_keys=4),
+    "niah_multikey_2": NiahTask("needle"),
+    "niah_multikey_3": NiahTask("needle", key_type="uuids", value_type="uuids"),
+    "niah_multivalue": NiahTask("essay", num_values=4),
+    "niah_multiquery": NiahTask("essay", num_queries=4),
+}
+
+
+@lru_cache(maxsize=1)
+def _word_lists() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """wonderwords' adjective and noun lists (RULER's key vocabulary is every ``adjective-noun`` pair)."""
+    from wonderwords.random_word import _get_words_from_text_file
+
+    return (tuple(sorted(set(_get_words_from_text_file("adjectivelist.txt")))),
+            tuple(sorted(set(_get_words_from_text_file("nounlist.txt")))))
+
+
+def _random_item(kind: str, rng: random.Random) -> str:
+    if kind == "numbers":
+        return str(rng.randint(10**6, 10**7 - 1))
+    if kind == "words":  # uniform over adjective-noun pairs, without materialising the ~9M-pair list
+        adjs, nouns = _word_lists()
+        return f"{rng.choice(adjs)}-{rng.choice(nouns)}"
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    raise ValueError(f"unknown needle type {kind!r}")
+
+
+def _texts(task: NiahTask, num_haystack: int, rng: random.Random) -> tuple[str, str, list[str]]:
+    """(user text, answer prefix, answers) for one sample with ``num_haystack`` haystack units."""
+    num_keys = max(task.num_keys, task.num_queries)
+    keys, values, needles = [], [], []
+    for _ in range(num_keys):
+        keys.append(_random_item(task.key_type, rng))
+        values.append([_random_item(task.value_type, rng) for _ in range(task.num_values)])
+        needles += [NEEDLE.format(type_needle_v=task.value_type, key=keys[-1], value=v) for v in values[-1]]
+    rng.shuffle(needles)
+
+    if task.haystack == "essay":
+        sentences = split_sentences(" ".join(essay_words()[:num_haystack]))
+        cuts = [0] + sorted(int(len(sentences) * d / 100) for d in rng.sample(DEPTHS, len(needles)))
+        cuts.append(len(sentences))
+        parts = []
+        for i in range(1, len(cuts)):
+            parts.append(" ".join(sentences[cuts[i - 1]:cuts[i]]))
+            if i - 1 < len(needles):
+                parts.append(needles[i - 1])
+        context = " ".join(parts)
+    else:
+        if task.haystack == "repeat":
+            sentences = [NOISE] * num_haystack
+        else:
+            sentences = [NEEDLE.format(type_needle_v=task.value_type, key=_random_item(task.key_type, rng),
+                                       value=_random_item(task.value_type, rng)) for _ in range(num_haystack)]
+        for index, needle in zip(sorted(rng.sample(range(num_haystack), len(needles)), reverse=True), needles):
+            sentences.insert(index, needle)
+        context = "\n".join(sentences)
+
+    chosen = rng.sample(range(num_keys), task.num_queries)
+    queries = [keys[i] for i in chosen]
+    answers = [v for i in chosen for v in values[i]]
+    query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
+
+    template, prefix, type_v = TEMPLATE, ANSWER_PREFIX, task.value_type
+    if task.num_queries * task.num_values == 1:  # RULER's singular rewrite
+        for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
+            template, prefix = template.replace(old, new), prefix.replace(old, new)
+        type_v = type_v[:-1]
+    return (template.format(type_needle_v=type_v, context=context, query=query),
+            prefix.format(type_needle_v=type_v, query=query), answers)
+
+
+def _increment(task: NiahTask, length: int) -> int:
+    if task.haystack == "essay":
+        return 500
+    return 25 if length >= 4096 else 5
+
+
+def generate_niah(name: str, tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int,
+                  chat_template: bool = True, max_new_tokens: int | None = None) -> list[Sample]:
+    """``num_samples`` samples of task ``name`` whose prompt + generation budget fits in ``length`` tokens."""
+    task = NIAH_TASKS[name]
+    step = _increment(task, length)
+    budget = length - TOKENS_TO_GENERATE
+
+    def encode(num_haystack: int, rng: random.Random):
+        text, prefix, answers = _texts(task, num_haystack, rng)
+        return encode_prompt(tokenizer, text, prefix, chat_template), answers
+
+    def fits(units: int) -> bool:
+        return len(encode(units * step, random.Random(f"{seed}-{name}-probe"))[0]) <= budget
+
+    # largest haystack (in RULER increments) whose probe prompt fits: exponential then binary search
+    limit = len(essay_words()) // step if task.haystack == "essay" else 1 << 20
+    lo, hi = 0, 1
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    if lo == 0:
+        raise ValueError(f"RULER {name}: length {length} is too short for even the smallest haystack")
+
+    samples = []
+    for index in range(num_samples):
+        units = lo
+        while True:
+            rng = random.Random(f"{seed}-{name}-{index}")
+            ids, answers = encode(units * step, rng)
+            if len(ids) <= budget or units == 1:
+                break
+            units -= 1
+        samples.append(Sample(task=name, id=f"{name}-{index}", input_ids=tuple(ids), answers=tuple(answers),
+                              max_new_tokens=max_new_tokens or TOKENS_TO_GENERATE, metric="string_match_all",
+                              meta={"haystack": ESSAY_CORPUS if task.haystack == "essay" else task.haystack,
+                                    "haystack_units": units * step}))
+    return samples

@@ -1,0 +1,1 @@
+"""The data path: prefill once, compress per method config, greedy-decode."""

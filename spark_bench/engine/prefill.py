@@ -1,0 +1,121 @@
+"""Prefill a prompt once with a full cache and capture what every compression method needs.
+
+Per layer we keep the post-RoPE keys and values (the full KV cache) and the last ``W`` post-RoPE queries of the
+prompt (the observation window of SnapKV / ThinK / SparK). Every method configuration in a sweep compresses
+from the same :class:`Prefill`, so the prompt is processed exactly once per sample.
+
+The window queries are recomputed from the attention module's own input inside a forward pre-hook, the same
+quantity the official SparK/kvpress code recomputes (``q_proj`` → optional ``q_norm`` → RoPE). The hook is
+registered only for the duration of the prefill call; nothing in transformers is patched.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+
+@dataclass(frozen=True)
+class LayerPrefill:
+    """Full-cache state of one attention layer after the prompt.
+
+    keys, values: ``(B, H_kv, S, D)`` post-RoPE, as stored by a dense cache.
+    window_queries: ``(B, H_q, W, D)`` post-RoPE queries of the last ``W`` prompt tokens.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    window_queries: torch.Tensor
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    def grouped_window_queries(self, window_size: int) -> torch.Tensor:
+        """Window queries averaged within each kv-head's query group (GQA): ``(B, H_kv, W, D)``."""
+        q = self.window_queries[:, :, -window_size:]
+        b, hq, w, d = q.shape
+        return q.view(b, self.num_kv_heads, hq // self.num_kv_heads, w, d).mean(dim=2)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Everything a method config needs to build its cache and start decoding."""
+
+    layers: tuple[LayerPrefill, ...]
+    prompt_length: int
+    first_token: int
+    seconds: float
+
+    def dense_kv_bytes(self) -> int:
+        return sum(t.keys.numel() * t.keys.element_size() + t.values.numel() * t.values.element_size()
+                   for t in self.layers)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of a decoder-only model, ordered by layer index."""
+    mods = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+    if not mods:
+        raise ValueError(f"{type(model).__name__}: no attention modules with q_proj/layer_idx found")
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def window_queries(module: nn.Module, hidden_states: torch.Tensor, position_embeddings, window: int) -> torch.Tensor:
+    """Post-RoPE queries of the last ``window`` positions, computed exactly as the attention module does."""
+    hidden = hidden_states[:, -window:]
+    b, w, _ = hidden.shape
+    q = module.q_proj(hidden).view(b, w, -1, module.head_dim)
+    if hasattr(module, "q_norm"):  # Qwen3 normalises queries per head before RoPE
+        q = module.q_norm(q)
+    q = q.transpose(1, 2)
+    cos, sin = position_embeddings
+    cos, sin = cos[:, -window:].unsqueeze(1), sin[:, -window:].unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin
+
+
+@contextmanager
+def capture_window_queries(model: nn.Module, window: int):
+    """Within the block, record each layer's window queries into the yielded dict ``{layer_idx: tensor}``."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def hook(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        captured[module.layer_idx] = window_queries(module, hidden, kwargs["position_embeddings"], window)
+
+    for mod in attention_modules(model):
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def run_prefill(model: nn.Module, input_ids: torch.Tensor, window: int) -> Prefill:
+    """Process the whole prompt once with a full dense cache; capture keys, values and window queries."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"run_prefill expects input_ids of shape (1, S), got {tuple(input_ids.shape)}")
+    start = time.perf_counter()
+    window = min(window, input_ids.shape[1])
+    cache = DynamicCache(config=model.config)
+    with capture_window_queries(model, window) as queries:
+        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    first_token = int(out.logits[0, -1].argmax())
+    layers = tuple(
+        LayerPrefill(keys=layer.keys, values=layer.values, window_queries=queries[i])
+        for i, layer in enumerate(cache.layers)
+    )
+    return Prefill(layers=layers, prompt_length=input_ids.shape[1], first_token=first_token,
+                   seconds=time.perf_counter() - start)

@@ -1,0 +1,5 @@
+"""Method configurations: ``eviction[+channel]`` names as in the paper (``snapkv+spark``), built into pipelines."""
+
+from spark_bench.methods.pipeline import CHANNEL_METHODS, EVICTION_METHODS, METHOD_NAMES, MethodConfig, Pipeline
+
+__all__ = ["CHANNEL_METHODS", "EVICTION_METHODS", "METHOD_NAMES", "MethodConfig", "Pipeline"]

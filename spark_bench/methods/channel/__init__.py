@@ -1,0 +1,1 @@
+"""Key-channel pruning methods (and SparK's recovery functions), one per module."""

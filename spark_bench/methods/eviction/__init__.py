@@ -1,0 +1,1 @@
+"""Token eviction methods, one per module."""

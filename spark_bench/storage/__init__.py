@@ -1,0 +1,1 @@
+"""Compact storage for channel-pruned key caches: only kept entries plus recovery metadata."""

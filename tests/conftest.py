@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from spark_bench.engine.prefill import run_prefill
+from spark_bench.models import ModelConfig, load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def model_config(name: str) -> ModelConfig:
+    values = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"))
+    values["stop_tokens"] = tuple(values.get("stop_tokens", ()))
+    return ModelConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    return load_model(model_config("tiny-llama"), "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_prefill(tiny_lm):
+    ids = torch.randint(100, 5000, (1, 160), generator=torch.Generator().manual_seed(0))
+    return run_prefill(tiny_lm.model, ids, window=32)

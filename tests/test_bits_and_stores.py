@@ -1,0 +1,97 @@
+import pytest
+import torch
+
+from spark_bench.engine.prefill import LayerPrefill
+from spark_bench.methods.channel.spark import SparK
+from spark_bench.methods.channel.think import ThinK
+from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 64, 102])
+def test_pack_unpack_roundtrip(n):
+    bits = torch.rand(2, 3, 5, n, generator=torch.Generator().manual_seed(n)) > 0.5
+    packed = pack_bits(bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == (n + 7) // 8
+    assert torch.equal(unpack_bits(packed, n), bits)
+
+
+def _layer(keys, window_queries):
+    return LayerPrefill(keys=keys, values=torch.zeros_like(keys), window_queries=window_queries)
+
+
+# one token, D = 4, one head, W = 2 window queries: small enough to check by hand
+KEYS = torch.tensor([[[[2.0, -1.0, 0.5, -3.0]]]])
+QUERIES = torch.tensor([[[[1.0, 0.0, 2.0, 1.0], [1.0, 1.0, 0.0, 1.0]]]])
+
+
+def test_official_degenerate_recovery_by_hand():
+    # ‖q_c‖₂ = [√2, 1, 2, √2]; saliency k²·‖q‖ = [4√2, 1, 0.5, 9√2]; λ=0.5 prunes channels 1 and 2,
+    # μ = (1 + 0.5) / 2 = 0.75; refill = sign(k)·sqrt(μ / ‖q_c‖): ch1 −sqrt(0.75), ch2 +sqrt(0.375)
+    store = SparK(ratio=0.5, window_size=2, saliency="official").compress_keys(KEYS, _layer(KEYS, QUERIES))
+    expected = torch.tensor([2.0, -(0.75 ** 0.5), (0.375) ** 0.5, -3.0])
+    assert torch.allclose(store.materialize()[0, 0, 0], expected, atol=1e-6)
+    assert store.kept.flatten().tolist() == [2.0, -3.0]
+    assert store.recovery.mu.item() == pytest.approx(0.75)
+
+
+def test_paper_degenerate_recovery_by_hand():
+    # q̄ = [1, 0.5, 1, 1]; saliency |q̄|·|k| = [2, 0.5, 0.5, 3]; keep channels 0 and 3; μ = 0.5; refill μ / q̄_c
+    store = SparK(ratio=0.5, window_size=2, saliency="paper").compress_keys(KEYS, _layer(KEYS, QUERIES))
+    assert torch.allclose(store.materialize()[0, 0, 0], torch.tensor([2.0, 1.0, 0.5, -3.0]))
+    # the refill reproduces the paper's ⟨q̄ʲ, k̃ʲ⟩ = μ
+    q_bar = QUERIES.mean(dim=-2)[0, 0]
+    refilled = store.materialize()[0, 0, 0]
+    assert (q_bar[1] * refilled[1]).item() == pytest.approx(0.5)
+    assert (q_bar[2] * refilled[2]).item() == pytest.approx(0.5)
+
+
+def test_official_and_paper_keep_counts_differ_as_documented():
+    assert SparK(ratio=0.8, saliency="official").n_keep(64) == 13  # D − int(0.8·64) = 64 − 51
+    assert SparK(ratio=0.8, saliency="paper").n_keep(64) == 12     # ⌊0.2·64⌋
+    assert SparK(ratio=0.8, saliency="official").n_keep(128) == 26
+    assert SparK(ratio=0.8, saliency="paper").n_keep(128) == 25
+
+
+def _random_layer(head_dim, seq=256, heads=2, q_heads=4, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(head_dim)
+    keys = torch.randn(1, heads, seq, head_dim, generator=g).to(dtype)
+    queries = torch.randn(1, q_heads, 32, head_dim, generator=g).to(dtype)
+    return keys, _layer(keys, queries)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("saliency", ["official", "paper"])
+def test_spark_store_bytes_at_0_8(head_dim, saliency):
+    keys, layer = _random_layer(head_dim)
+    store = SparK(ratio=0.8, saliency=saliency).compress_keys(keys, layer)
+    ratio = store.nbytes() / tensor_bytes(keys)
+    # kept values + D-bit mask + μ per token (+ sign bits of pruned entries, official) + per-head query stats
+    assert ratio <= 0.35, ratio
+    t = store.kept.shape[-1]
+    per_token = 2 * t + head_dim // 8 + 2 + ((head_dim - t + 7) // 8 if saliency == "official" else 0)
+    assert store.nbytes() == keys.shape[1] * keys.shape[2] * per_token + 4 * keys.shape[1] * head_dim
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_think_store_bytes_and_zero_fill(head_dim):
+    keys, layer = _random_layer(head_dim)
+    store = ThinK(ratio=0.8, keep_window=False).compress_keys(keys, layer)
+    assert store.nbytes() / tensor_bytes(keys) <= 0.22
+    dense = store.materialize()
+    zero_cols = (dense == 0).all(dim=-2)  # pruned channels are zero for every token
+    assert int(zero_cols.sum(-1)[0, 0]) == int(0.8 * head_dim)
+    kept = ~zero_cols
+    assert torch.equal(dense[..., kept[0, 0]][0, 0], keys[0, 0][:, kept[0, 0]])
+
+
+def test_think_keeps_recent_window_dense():
+    keys, layer = _random_layer(64)
+    dense = ThinK(ratio=0.8, window_size=32, keep_window=True).compress_keys(keys, layer).materialize()
+    assert torch.equal(dense[..., -32:, :], keys[..., -32:, :])
+    assert (dense[..., :-32, :] == 0).any()
+
+
+@pytest.mark.parametrize("method", [SparK(ratio=0.0), SparK(ratio=0.0, saliency="paper"), ThinK(ratio=0.0)])
+def test_ratio_zero_materializes_exact_keys(method):
+    keys, layer = _random_layer(64)
+    assert torch.equal(method.compress_keys(keys, layer).materialize(), keys)

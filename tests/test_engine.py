@@ -1,0 +1,97 @@
+"""Engine invariants on tiny-llama: prefill capture, λ=0 equivalence, budget ≥ prompt = full, sweep = alone."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from spark_bench.engine.decode import greedy_decode
+from spark_bench.engine.prefill import run_prefill
+from spark_bench.methods import MethodConfig, Pipeline
+from spark_bench.methods.eviction.snapkv import SnapKV, window_attention
+
+
+def decode(lm, prefill, cfg: MethodConfig, n=6):
+    cache, _ = Pipeline.from_config(cfg).build_cache(prefill)
+    return greedy_decode(lm.model, cache, prefill.first_token, prefill.prompt_length, n, frozenset())
+
+
+def test_prefill_captures_post_rope_window_queries(tiny_lm):
+    """The window queries reproduce the model's own attention weights (eager attention, output_attentions)."""
+    model = tiny_lm.model
+    ids = torch.randint(100, 5000, (1, 48), generator=torch.Generator().manual_seed(1))
+    prefill = run_prefill(model, ids, window=16)
+    model.config._attn_implementation = "eager"
+    try:
+        with torch.inference_mode():
+            ref = model(input_ids=ids, output_attentions=True).attentions
+    finally:
+        model.config._attn_implementation = "sdpa"
+    for layer, attn in zip(prefill.layers, ref):
+        ours = window_attention(layer, 16)
+        assert torch.allclose(ours, attn[:, :, -16:, :].float(), atol=1e-5)
+
+
+def test_prefill_first_token_matches_generate(tiny_lm):
+    ids = torch.randint(100, 5000, (1, 40), generator=torch.Generator().manual_seed(2))
+    prefill = run_prefill(tiny_lm.model, ids, window=32)
+    tokens = decode(tiny_lm, prefill, MethodConfig(name="full"), n=5)
+    with torch.inference_mode():
+        ref = tiny_lm.model.generate(ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    assert tokens == ref[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("base,channel,saliency", list(itertools.product(
+    ["full", "snapkv"], ["think", "spark"], ["official", "paper"])))
+def test_ratio_zero_equals_base_method(tiny_lm, tiny_prefill, base, channel, saliency):
+    name = channel if base == "full" else f"{base}+{channel}"
+    composite = MethodConfig(name=name, budget=64, ratio=0.0, saliency=saliency)
+    assert decode(tiny_lm, tiny_prefill, composite) == decode(tiny_lm, tiny_prefill, MethodConfig(name=base, budget=64))
+
+
+@pytest.mark.parametrize("name", ["snapkv", "snapkv+spark", "snapkv+think"])
+def test_budget_at_least_prompt_equals_full_eviction(tiny_lm, tiny_prefill, name):
+    big = MethodConfig(name=name, budget=10_000, ratio=0.5)
+    none = MethodConfig(name=name.replace("snapkv+", "") if "+" in name else "full", ratio=0.5)
+    assert decode(tiny_lm, tiny_prefill, big) == decode(tiny_lm, tiny_prefill, none)
+
+
+def test_snapkv_keeps_budget_and_window(tiny_prefill):
+    layer = tiny_prefill.layers[0]
+    s = layer.keys.shape[-2]
+    for budget, expected in [(64, 64), (0.25, int(s * 0.25))]:
+        idx = SnapKV(budget=budget).keep_indices(layer, 0, 2)
+        assert idx.shape == (1, layer.num_kv_heads, expected)
+        assert torch.equal(idx[..., -32:], torch.arange(s - 32, s).expand(1, layer.num_kv_heads, 32))
+        assert bool((idx.diff(dim=-1) > 0).all())  # ascending, no duplicates
+    with pytest.raises(ValueError, match="smaller than the observation window"):
+        SnapKV(budget=16).keep_indices(layer, 0, 2)
+
+
+def test_snapkv_scores_follow_attention(tiny_prefill):
+    """Tokens SnapKV keeps get more (pooled) window attention than the ones it drops."""
+    layer = tiny_prefill.layers[1]
+    method = SnapKV(budget=64)
+    scores = method.token_scores(layer)
+    idx = method.keep_indices(layer, 1, 2)[..., :-32]
+    kept = scores.gather(-1, idx)
+    dropped_mask = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, idx, False)
+    for h in range(scores.shape[1]):
+        assert kept[0, h].min() >= scores[0, h][dropped_mask[0, h]].max()
+
+
+def test_compression_never_mutates_prefill(tiny_lm, tiny_prefill):
+    before = [(l.keys.clone(), l.values.clone()) for l in tiny_prefill.layers]
+    for cfg in [MethodConfig(name="snapkv+spark", budget=64, ratio=0.8), MethodConfig(name="think", ratio=0.8)]:
+        decode(tiny_lm, tiny_prefill, cfg)
+    for (k, v), layer in zip(before, tiny_prefill.layers):
+        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+
+
+def test_compressed_cache_bytes_are_below_dense(tiny_prefill):
+    dense = tiny_prefill.dense_kv_bytes()
+    for cfg, bound in [(MethodConfig(name="full"), 1.0), (MethodConfig(name="spark", ratio=0.8), 0.75),
+                       (MethodConfig(name="snapkv", budget=40), 40 / 160)]:
+        cache, _ = Pipeline.from_config(cfg).build_cache(tiny_prefill)
+        assert cache.nbytes() <= math.ceil(bound * dense)

@@ -1,0 +1,106 @@
+"""The runner's outputs, sweep-vs-alone equality, and the Hydra command line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from spark_bench.benchmarks.ruler import load_ruler
+from spark_bench.cli import CONF_DIR, ConfigError, method_configs
+from spark_bench.methods import MethodConfig
+from spark_bench.runner import run_sweep
+
+SWEEP = [MethodConfig(name="full"), MethodConfig(name="snapkv+spark", budget=64, ratio=0.8),
+         MethodConfig(name="snapkv+think", budget=64, ratio=0.5), MethodConfig(name="spark", ratio=0.5)]
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_lm):
+    return load_ruler(["niah_single_1", "niah_multikey_2"], 512, 1, 7, tiny_lm, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def sweep_run(tiny_lm, samples, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    return out, run_sweep(tiny_lm, samples, SWEEP, out, log=lambda m: None)
+
+
+def test_sweep_writes_predictions_scores_and_table(sweep_run, samples):
+    out, preds = sweep_run
+    lines = [json.loads(l) for l in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(lines) == len(samples) * len(SWEEP)
+    for rec in lines:
+        assert {"task", "id", "prompt_length", "prediction", "answers", "score", "kv_bytes", "kv_bytes_full",
+                "prefill_s", "compress_s", "decode_s"} <= rec.keys()
+        assert 0 < rec["kv_bytes"] <= rec["kv_bytes_full"]
+    scores = pd.read_csv(out / "scores.csv")
+    assert len(scores) == len(SWEEP) * 2
+    table = (out / "table.md").read_text().splitlines()
+    assert table[0] == "| Method | niah_single_1 | niah_multikey_2 | Avg | KV % |"
+    assert [row.split(" | ")[0].lstrip("| ") for row in table[2:]] == [c.label for c in SWEEP]
+
+
+def test_sweep_shares_prefill(sweep_run):
+    _, preds = sweep_run
+    assert preds.groupby("id").prefill_s.nunique().eq(1).all()
+
+
+@pytest.mark.parametrize("index", range(len(SWEEP)))
+def test_config_in_sweep_equals_config_alone(tiny_lm, samples, sweep_run, tmp_path, index):
+    _, in_sweep = sweep_run
+    alone = run_sweep(tiny_lm, samples, [SWEEP[index]], tmp_path, log=lambda m: None)
+    mine = in_sweep[in_sweep.config == SWEEP[index].label]
+    assert list(mine.id) == list(alone.id)
+    assert list(mine.tokens) == list(alone.tokens)
+    assert list(mine.kv_bytes) == list(alone.kv_bytes)
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_user_command_resolves_exactly_as_written():
+    cfg = _compose(["model=llama3-8b", "method=snapkv+spark", "ratio=0.8"])
+    assert cfg.model.path == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert list(cfg.model.stop_tokens) == ["<|eot_id|>", "<|end_of_text|>"]
+    (only,) = method_configs(cfg)
+    assert only == MethodConfig(name="snapkv+spark", ratio=0.8, budget=0.2)
+
+
+def test_default_is_the_offline_demo_sweep():
+    cfg = _compose([])
+    assert cfg.model.name == "smollm2-135m" and cfg.benchmark.name == "ruler"
+    assert [c.label for c in method_configs(cfg)] == [
+        "Full", "SnapKV @0.5", "SnapKV+ThinK(0.5) @0.5", "SnapKV+ThinK(0.8) @0.5",
+        "SnapKV+SparK(0.5) @0.5", "SnapKV+SparK(0.8) @0.5"]
+
+
+def test_bad_method_option_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"method: ratio must be in \[0, 1\), got 1.5"):
+        method_configs(_compose(["method=spark", "ratio=1.5"]))
+
+
+def test_cli_multirun_end_to_end(tmp_path):
+    cmd = [sys.executable, "-m", "spark_bench.cli", "-m", "model=tiny-llama", "method=snapkv+spark",
+           "ratio=0.5,0.8", "budget=64", "benchmark.tasks=[niah_single_1]", "benchmark.length=512",
+           "benchmark.num_samples=1", "benchmark.max_new_tokens=4", f"output_root={tmp_path}", "run=cli"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "CI": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for job in ("0", "1"):
+        job_dir = tmp_path / "cli" / job
+        assert (job_dir / "config.yaml").exists() and (job_dir / "predictions.jsonl").exists()
+        assert "SnapKV+SparK(" in (job_dir / "table.md").read_text()
+    assert "ratio: 0.8" in (tmp_path / "cli" / "1" / "config.yaml").read_text()
+
+
+def test_cli_unknown_method_lists_valid_ones(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "method=bogus", f"output_root={tmp_path}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "snapkv+spark" in proc.stderr and "bogus" in proc.stderr
+    assert not any(tmp_path.iterdir())
