@@ -39,10 +39,8 @@ def method_configs(cfg: DictConfig) -> list[MethodConfig]:
 
 
 def model_config(cfg: DictConfig) -> ModelConfig:
-    values = OmegaConf.to_container(cfg.model, resolve=True)
-    values["stop_tokens"] = tuple(values.get("stop_tokens", ()))
     try:
-        return ModelConfig(**values)
+        return ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     except (TypeError, ValueError) as err:
         raise ConfigError(f"model: {err}") from None
 

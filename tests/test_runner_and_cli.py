@@ -104,3 +104,10 @@ def test_cli_unknown_method_lists_valid_ones(tmp_path):
     assert proc.returncode != 0
     assert "snapkv+spark" in proc.stderr and "bogus" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_missing_gguf_file_names_model_and_path():
+    from spark_bench.models import ModelConfig, load_model
+
+    with pytest.raises(FileNotFoundError, match=r"model broken: GGUF file not found: /nonexistent/m\.gguf"):
+        load_model(ModelConfig(name="broken", source="gguf", path="/nonexistent/m.gguf"), "cpu")

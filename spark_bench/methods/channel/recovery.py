@@ -20,6 +20,14 @@ import torch
 from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
 
 
+def mean_pruned_saliency(saliency: torch.Tensor, kept_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``μ_pruned`` per token (Appendix A.2: mean saliency over the token's pruned channels) and the number of
+    pruned channels per token (the same for every token of a fixed-ratio store)."""
+    pruned = ~kept_mask
+    n_pruned = int(pruned[(0,) * (pruned.dim() - 1)].sum()) if pruned.numel() else 0
+    return (saliency * pruned).sum(-1) / max(n_pruned, 1), n_pruned
+
+
 @dataclass(frozen=True)
 class DegenerateSigned:
     mu: torch.Tensor          # (B, H, S) mean pruned saliency per token, model dtype
@@ -29,10 +37,8 @@ class DegenerateSigned:
 
     @classmethod
     def build(cls, keys, kept_mask, saliency, query_norm, mu_dtype) -> "DegenerateSigned":
-        pruned = ~kept_mask
-        n_pruned = int(pruned[(0,) * (pruned.dim() - 1)].sum()) if pruned.numel() else 0
-        mu = (saliency * pruned).sum(-1) / max(n_pruned, 1)
-        signs = (keys > 0).masked_select(pruned).reshape(*keys.shape[:-1], n_pruned)
+        mu, n_pruned = mean_pruned_saliency(saliency, kept_mask)
+        signs = (keys > 0).masked_select(~kept_mask).reshape(*keys.shape[:-1], n_pruned)
         return cls(mu=mu.to(mu_dtype), query_norm=query_norm, sign_bits=pack_bits(signs), n_pruned=n_pruned)
 
     def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -51,9 +57,7 @@ class DegenerateQueryAligned:
 
     @classmethod
     def build(cls, keys, kept_mask, saliency, mean_query, mu_dtype) -> "DegenerateQueryAligned":
-        pruned = ~kept_mask
-        n_pruned = int(pruned[(0,) * (pruned.dim() - 1)].sum()) if pruned.numel() else 0
-        mu = (saliency * pruned).sum(-1) / max(n_pruned, 1)
+        mu, _ = mean_pruned_saliency(saliency, kept_mask)
         return cls(mu=mu.to(mu_dtype), mean_query=mean_query)
 
     def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
