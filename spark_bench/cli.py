@@ -16,7 +16,7 @@ from spark_bench.models import ModelConfig, load_model
 from spark_bench.runner import run_sweep
 
 METHOD_OPTIONS = ("budget", "ratio", "window_size", "kernel_size", "pooling", "saliency", "recovery",
-                  "think_keep_window")
+                  "think_keep_window", "n_sink")
 
 
 class ConfigError(ValueError):

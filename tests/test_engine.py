@@ -43,17 +43,17 @@ def test_prefill_first_token_matches_generate(tiny_lm):
 
 
 @pytest.mark.parametrize("base,channel,saliency", list(itertools.product(
-    ["full", "snapkv"], ["think", "spark"], ["official", "paper"])))
+    ["full", "snapkv", "streamingllm"], ["think", "spark"], ["official", "paper"])))
 def test_ratio_zero_equals_base_method(tiny_lm, tiny_prefill, base, channel, saliency):
     name = channel if base == "full" else f"{base}+{channel}"
     composite = MethodConfig(name=name, budget=64, ratio=0.0, saliency=saliency)
     assert decode(tiny_lm, tiny_prefill, composite) == decode(tiny_lm, tiny_prefill, MethodConfig(name=base, budget=64))
 
 
-@pytest.mark.parametrize("name", ["snapkv", "snapkv+spark", "snapkv+think"])
+@pytest.mark.parametrize("name", ["snapkv", "snapkv+spark", "snapkv+think", "streamingllm", "streamingllm+spark"])
 def test_budget_at_least_prompt_equals_full_eviction(tiny_lm, tiny_prefill, name):
     big = MethodConfig(name=name, budget=10_000, ratio=0.5)
-    none = MethodConfig(name=name.replace("snapkv+", "") if "+" in name else "full", ratio=0.5)
+    none = MethodConfig(name=name.split("+")[1] if "+" in name else "full", ratio=0.5)
     assert decode(tiny_lm, tiny_prefill, big) == decode(tiny_lm, tiny_prefill, none)
 
 
@@ -95,3 +95,21 @@ def test_compressed_cache_bytes_are_below_dense(tiny_prefill):
                        (MethodConfig(name="snapkv", budget=40), 40 / 160)]:
         cache, _ = Pipeline.from_config(cfg).build_cache(tiny_prefill)
         assert cache.nbytes() <= math.ceil(bound * dense)
+
+
+def test_streamingllm_keeps_sinks_and_recent(tiny_prefill):
+    from spark_bench.methods.eviction.streamingllm import StreamingLLM
+
+    layer = tiny_prefill.layers[0]
+    s = layer.keys.shape[-2]
+    idx = StreamingLLM(budget=20).keep_indices(layer, 0, 2)
+    assert idx[0, 0].tolist() == [0, 1, 2, 3, *range(s - 16, s)]
+    with pytest.raises(ValueError, match="must exceed n_sink=4"):
+        StreamingLLM(budget=4).keep_indices(layer, 0, 2)
+
+
+def test_every_method_name_has_a_hydra_option():
+    from spark_bench.cli import CONF_DIR
+    from spark_bench.methods import METHOD_NAMES
+
+    assert sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml")) == sorted(METHOD_NAMES)

@@ -12,11 +12,12 @@ from spark_bench.methods.base import ChannelMethod, EvictionMethod, gather_token
 from spark_bench.methods.channel.spark import SparK
 from spark_bench.methods.channel.think import ThinK
 from spark_bench.methods.eviction.snapkv import SnapKV
+from spark_bench.methods.eviction.streamingllm import StreamingLLM
 from spark_bench.storage.stores import DenseKeyStore
 
-EVICTION_METHODS = {"snapkv": SnapKV}
+EVICTION_METHODS = {"snapkv": SnapKV, "streamingllm": StreamingLLM}
 CHANNEL_METHODS = {"think": ThinK, "spark": SparK}
-DISPLAY = {"full": "Full", "snapkv": "SnapKV", "think": "ThinK", "spark": "SparK"}
+DISPLAY = {"full": "Full", "snapkv": "SnapKV", "streamingllm": "StreamingLLM", "think": "ThinK", "spark": "SparK"}
 METHOD_NAMES = ("full", *EVICTION_METHODS, *CHANNEL_METHODS,
                 *(f"{e}+{c}" for e, c in itertools.product(EVICTION_METHODS, CHANNEL_METHODS)))
 
@@ -35,6 +36,7 @@ class MethodConfig:
     saliency: str = "official"
     recovery: str = "degenerate"
     think_keep_window: bool = True
+    n_sink: int = 4
 
     def __post_init__(self):
         if self.name not in METHOD_NAMES:
@@ -78,6 +80,8 @@ def build_eviction(cfg: MethodConfig) -> EvictionMethod | None:
     if cfg.eviction_name == "snapkv":
         return SnapKV(budget=cfg.budget, window_size=cfg.window_size, kernel_size=cfg.kernel_size,
                       pooling=cfg.pooling)
+    if cfg.eviction_name == "streamingllm":
+        return StreamingLLM(budget=cfg.budget, n_sink=cfg.n_sink)
     return None
 
 

@@ -1,0 +1,33 @@
+"""StreamingLLM (Xiao et al., 2024): keep the first ``n_sink`` attention-sink tokens and the most recent ones.
+
+Reference behaviour (kvpress ``StreamingLLMPress``, used by the official SparK code): ``n_sink = 4``, the rest of
+the budget goes to the most recent prompt tokens; the selection is the same for every layer and head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spark_bench.engine.prefill import LayerPrefill
+from spark_bench.methods.base import EvictionMethod
+from spark_bench.methods.eviction.snapkv import resolve_budget
+
+
+@dataclass(frozen=True)
+class StreamingLLM(EvictionMethod):
+    budget: float
+    n_sink: int = 4
+
+    def keep_indices(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> torch.Tensor | None:
+        b, h, s, _ = layer.keys.shape
+        n_keep = resolve_budget(self.budget, s)
+        if n_keep >= s:
+            return None
+        if n_keep <= self.n_sink:
+            raise ValueError(f"streamingllm budget {n_keep} tokens must exceed n_sink={self.n_sink}")
+        device = layer.keys.device
+        idx = torch.cat([torch.arange(self.n_sink, device=device),
+                         torch.arange(s - (n_keep - self.n_sink), s, device=device)])
+        return idx.expand(b, h, n_keep)
