@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import hydra
@@ -15,8 +16,7 @@ from spark_bench.methods import MethodConfig
 from spark_bench.models import ModelConfig, load_model
 from spark_bench.runner import run_sweep
 
-METHOD_OPTIONS = ("budget", "ratio", "window_size", "kernel_size", "pooling", "saliency", "recovery",
-                  "think_keep_window", "n_sink")
+METHOD_OPTIONS = tuple(f.name for f in fields(MethodConfig) if f.name != "name")  # top-level config keys
 
 
 class ConfigError(ValueError):

@@ -15,17 +15,26 @@ from spark_bench.methods.eviction.snapkv import SnapKV
 from spark_bench.methods.eviction.streamingllm import StreamingLLM
 from spark_bench.storage.stores import DenseKeyStore
 
-EVICTION_METHODS = {"snapkv": SnapKV, "streamingllm": StreamingLLM}
-CHANNEL_METHODS = {"think": ThinK, "spark": SparK}
+# method name → builder from a MethodConfig (one entry per method module)
+EVICTION_METHODS = {
+    "snapkv": lambda c: SnapKV(budget=c.budget, window_size=c.window_size, kernel_size=c.kernel_size,
+                               pooling=c.pooling),
+    "streamingllm": lambda c: StreamingLLM(budget=c.budget, n_sink=c.n_sink),
+}
+CHANNEL_METHODS = {
+    "think": lambda c: ThinK(ratio=c.ratio, window_size=c.window_size, keep_window=c.think_keep_window),
+    "spark": lambda c: SparK(ratio=c.ratio, window_size=c.window_size, saliency=c.saliency, recovery=c.recovery),
+}
 DISPLAY = {"full": "Full", "snapkv": "SnapKV", "streamingllm": "StreamingLLM", "think": "ThinK", "spark": "SparK"}
 METHOD_NAMES = ("full", *EVICTION_METHODS, *CHANNEL_METHODS,
                 *(f"{e}+{c}" for e, c in itertools.product(EVICTION_METHODS, CHANNEL_METHODS)))
 
 
+
 @dataclass(frozen=True)
 class MethodConfig:
     """One point of a sweep. ``budget``: KV size in tokens (≥ 1) or a fraction of the prompt (< 1);
-    ``ratio``: key-channel pruning ratio λ."""
+    ``ratio``: key-channel pruning ratio λ. Every field except ``name`` is also a top-level config key."""
 
     name: str = "full"
     budget: float = 0.2
@@ -77,20 +86,11 @@ class MethodConfig:
 
 
 def build_eviction(cfg: MethodConfig) -> EvictionMethod | None:
-    if cfg.eviction_name == "snapkv":
-        return SnapKV(budget=cfg.budget, window_size=cfg.window_size, kernel_size=cfg.kernel_size,
-                      pooling=cfg.pooling)
-    if cfg.eviction_name == "streamingllm":
-        return StreamingLLM(budget=cfg.budget, n_sink=cfg.n_sink)
-    return None
+    return EVICTION_METHODS[cfg.eviction_name](cfg) if cfg.eviction_name else None
 
 
 def build_channel(cfg: MethodConfig) -> ChannelMethod | None:
-    if cfg.channel_name == "think":
-        return ThinK(ratio=cfg.ratio, window_size=cfg.window_size, keep_window=cfg.think_keep_window)
-    if cfg.channel_name == "spark":
-        return SparK(ratio=cfg.ratio, window_size=cfg.window_size, saliency=cfg.saliency, recovery=cfg.recovery)
-    return None
+    return CHANNEL_METHODS[cfg.channel_name](cfg) if cfg.channel_name else None
 
 
 @dataclass(frozen=True)
