@@ -16,6 +16,7 @@ from spark_bench.benchmarks.metrics import score
 from spark_bench.engine.decode import greedy_decode
 from spark_bench.engine.prefill import run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
+from spark_bench.methods.pipeline import kept_key_fraction
 from spark_bench.models import LoadedModel
 from spark_bench.tables import render_markdown, summarize
 
@@ -33,6 +34,7 @@ class Prediction:
     score: float
     kv_bytes: int
     kv_bytes_full: int
+    key_ratio: float  # achieved key pruning ratio over the stored tokens (paper's "Overall Ratio")
     prefill_s: float
     compress_s: float
     decode_s: float
@@ -44,8 +46,11 @@ class Prediction:
 def run_sample(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> list[Prediction]:
     """Prefill ``sample`` once, then compress + decode + score it under every pipeline."""
     window = max([p.config.window_size for p in pipelines] + [1])
+    specs = {p.query_stats for p in pipelines} - {None}
+    if len(specs) > 1:
+        raise ValueError(f"one sweep cannot mix query-statistics settings {sorted(map(str, specs))} (n_sink)")
     input_ids = torch.tensor([sample.input_ids], device=lm.device)
-    prefill = run_prefill(lm.model, input_ids, window)
+    prefill = run_prefill(lm.model, input_ids, window, query_stats=next(iter(specs), None))
     full_bytes = prefill.dense_kv_bytes()
     out = []
     for pipeline in pipelines:
@@ -60,6 +65,7 @@ def run_sample(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> li
             config=pipeline.config.label, method=pipeline.config.to_dict(), task=sample.task, id=sample.id,
             prompt_length=prefill.prompt_length, prediction=text, tokens=tokens, answers=list(sample.answers),
             score=score(sample.metric, text, sample.answers), kv_bytes=kv_bytes, kv_bytes_full=full_bytes,
+            key_ratio=round(1 - kept_key_fraction(cache), 6),
             prefill_s=prefill.seconds, compress_s=compress_s, decode_s=decode_s))
     return out
 

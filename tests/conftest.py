@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from spark_bench.engine.prefill import run_prefill
+from spark_bench.engine.prefill import QueryStatsSpec, run_prefill
 from spark_bench.models import ModelConfig, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,4 +24,4 @@ def tiny_lm():
 @pytest.fixture(scope="session")
 def tiny_prefill(tiny_lm):
     ids = torch.randint(100, 5000, (1, 160), generator=torch.Generator().manual_seed(0))
-    return run_prefill(tiny_lm.model, ids, window=32)
+    return run_prefill(tiny_lm.model, ids, window=32, query_stats=QueryStatsSpec())

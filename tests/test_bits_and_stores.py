@@ -31,7 +31,7 @@ def test_official_degenerate_recovery_by_hand():
     expected = torch.tensor([2.0, -(0.75 ** 0.5), (0.375) ** 0.5, -3.0])
     assert torch.allclose(store.materialize()[0, 0, 0], expected, atol=1e-6)
     assert store.kept.flatten().tolist() == [2.0, -3.0]
-    assert store.recovery.mu.item() == pytest.approx(0.75)
+    assert store.recovery.sampler.mu.item() == pytest.approx(0.75)
 
 
 def test_paper_degenerate_recovery_by_hand():
@@ -67,9 +67,10 @@ def test_spark_store_bytes_at_0_8(head_dim, saliency):
     ratio = store.nbytes() / tensor_bytes(keys)
     # kept values + D-bit mask + μ per token (+ sign bits of pruned entries, official) + per-head query stats
     assert ratio <= 0.35, ratio
-    t = store.kept.shape[-1]
-    per_token = 2 * t + head_dim // 8 + 2 + ((head_dim - t + 7) // 8 if saliency == "official" else 0)
-    assert store.nbytes() == keys.shape[1] * keys.shape[2] * per_token + 4 * keys.shape[1] * head_dim
+    rows = keys.shape[1] * keys.shape[2]
+    t = store.kept.numel() // rows
+    signs = (rows * (head_dim - t) + 7) // 8 if saliency == "official" else 0  # one bit per pruned entry, packed
+    assert store.nbytes() == rows * (2 * t + head_dim // 8 + 2) + signs + 4 * keys.shape[1] * head_dim
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -8,7 +8,7 @@ import torch
 
 from spark_bench.engine.decode import greedy_decode
 from spark_bench.engine.prefill import run_prefill
-from spark_bench.methods import MethodConfig, Pipeline
+from spark_bench.methods import EVICTION_METHODS, MethodConfig, Pipeline
 from spark_bench.methods.eviction.snapkv import SnapKV, window_attention
 
 
@@ -43,14 +43,15 @@ def test_prefill_first_token_matches_generate(tiny_lm):
 
 
 @pytest.mark.parametrize("base,channel,saliency", list(itertools.product(
-    ["full", "snapkv", "streamingllm"], ["think", "spark"], ["official", "paper"])))
+    ["full", *EVICTION_METHODS], ["think", "spark"], ["official", "paper"])))
 def test_ratio_zero_equals_base_method(tiny_lm, tiny_prefill, base, channel, saliency):
     name = channel if base == "full" else f"{base}+{channel}"
     composite = MethodConfig(name=name, budget=64, ratio=0.0, saliency=saliency)
     assert decode(tiny_lm, tiny_prefill, composite) == decode(tiny_lm, tiny_prefill, MethodConfig(name=base, budget=64))
 
 
-@pytest.mark.parametrize("name", ["snapkv", "snapkv+spark", "snapkv+think", "streamingllm", "streamingllm+spark"])
+@pytest.mark.parametrize("name", [*EVICTION_METHODS, "snapkv+spark", "snapkv+think", "pyramidkv+spark",
+                                  "adasnapkv+spark", "streamingllm+spark"])
 def test_budget_at_least_prompt_equals_full_eviction(tiny_lm, tiny_prefill, name):
     big = MethodConfig(name=name, budget=10_000, ratio=0.5)
     none = MethodConfig(name=name.split("+")[1] if "+" in name else "full", ratio=0.5)
@@ -61,12 +62,12 @@ def test_snapkv_keeps_budget_and_window(tiny_prefill):
     layer = tiny_prefill.layers[0]
     s = layer.keys.shape[-2]
     for budget, expected in [(64, 64), (0.25, int(s * 0.25))]:
-        idx = SnapKV(budget=budget).keep_indices(layer, 0, 2)
+        idx = SnapKV(budget=budget).select(layer, 0, 2).indices
         assert idx.shape == (1, layer.num_kv_heads, expected)
         assert torch.equal(idx[..., -32:], torch.arange(s - 32, s).expand(1, layer.num_kv_heads, 32))
         assert bool((idx.diff(dim=-1) > 0).all())  # ascending, no duplicates
     with pytest.raises(ValueError, match="smaller than the observation window"):
-        SnapKV(budget=16).keep_indices(layer, 0, 2)
+        SnapKV(budget=16).select(layer, 0, 2).indices
 
 
 def test_snapkv_scores_follow_attention(tiny_prefill):
@@ -74,7 +75,7 @@ def test_snapkv_scores_follow_attention(tiny_prefill):
     layer = tiny_prefill.layers[1]
     method = SnapKV(budget=64)
     scores = method.token_scores(layer)
-    idx = method.keep_indices(layer, 1, 2)[..., :-32]
+    idx = method.select(layer, 1, 2).indices[..., :-32]
     kept = scores.gather(-1, idx)
     dropped_mask = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, idx, False)
     for h in range(scores.shape[1]):
@@ -102,10 +103,10 @@ def test_streamingllm_keeps_sinks_and_recent(tiny_prefill):
 
     layer = tiny_prefill.layers[0]
     s = layer.keys.shape[-2]
-    idx = StreamingLLM(budget=20).keep_indices(layer, 0, 2)
+    idx = StreamingLLM(budget=20).select(layer, 0, 2).indices
     assert idx[0, 0].tolist() == [0, 1, 2, 3, *range(s - 16, s)]
     with pytest.raises(ValueError, match="must exceed n_sink=4"):
-        StreamingLLM(budget=4).keep_indices(layer, 0, 2)
+        StreamingLLM(budget=4).select(layer, 0, 2).indices
 
 
 def test_every_method_name_has_a_hydra_option():

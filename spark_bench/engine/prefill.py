@@ -31,6 +31,8 @@ class LayerPrefill:
     keys: torch.Tensor
     values: torch.Tensor
     window_queries: torch.Tensor
+    query_mean: torch.Tensor | None = None  # (B, H_q, D) expected future query (ExpectedAttention), float32
+    query_cov: torch.Tensor | None = None   # (B, H_q, D, D) its covariance, float32
 
     @property
     def num_kv_heads(self) -> int:
@@ -70,28 +72,71 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def window_queries(module: nn.Module, hidden_states: torch.Tensor, position_embeddings, window: int) -> torch.Tensor:
-    """Post-RoPE queries of the last ``window`` positions, computed exactly as the attention module does."""
-    hidden = hidden_states[:, -window:]
-    b, w, _ = hidden.shape
-    q = module.q_proj(hidden).view(b, w, -1, module.head_dim)
+def pre_rope_queries(module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``(B, H_q, n, D)`` queries before RoPE, computed exactly as the attention module does."""
+    b, n, _ = hidden.shape
+    q = module.q_proj(hidden).view(b, n, -1, module.head_dim)
     if hasattr(module, "q_norm"):  # Qwen3 normalises queries per head before RoPE
         q = module.q_norm(q)
-    q = q.transpose(1, 2)
+    return q.transpose(1, 2)
+
+
+def window_queries(module: nn.Module, hidden_states: torch.Tensor, position_embeddings, window: int) -> torch.Tensor:
+    """Post-RoPE queries of the last ``window`` positions, computed exactly as the attention module does."""
+    q = pre_rope_queries(module, hidden_states[:, -window:])
     cos, sin = position_embeddings
     cos, sin = cos[:, -window:].unsqueeze(1), sin[:, -window:].unsqueeze(1)
     return q * cos + _rotate_half(q) * sin
 
 
+@dataclass(frozen=True)
+class QueryStatsSpec:
+    """Which query statistics ExpectedAttention needs: skip ``n_sink`` tokens, average RoPE over the next
+    ``n_future`` positions."""
+
+    n_sink: int = 4
+    n_future: int = 512
+
+
+def mean_rotation(model: nn.Module, start: int, n_future: int, head_dim: int, device) -> torch.Tensor:
+    """``(D, D)`` RoPE rotation averaged over positions ``start … start + n_future − 1`` (kvpress' ``R``)."""
+    rotary = next(m for name, m in model.named_modules() if name.endswith("rotary_emb"))
+    positions = torch.arange(start, start + n_future, device=device).unsqueeze(0)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=device), positions)
+    cos, sin = cos[0].float().mean(0), sin[0].float().mean(0)
+    half = head_dim // 2
+    rotate_half = torch.zeros(head_dim, head_dim, device=device)  # rotate_half(x) = P x
+    rotate_half[:half, half:] = -torch.eye(half, device=device)
+    rotate_half[half:, :half] = torch.eye(half, device=device)
+    return torch.diag(cos) + torch.diag(sin) @ rotate_half
+
+
+def query_statistics(module: nn.Module, hidden: torch.Tensor, spec: QueryStatsSpec, rotation: torch.Tensor):
+    """Mean ``(B, H_q, D)`` and covariance ``(B, H_q, D, D)`` of the prompt's queries after the mean rotation."""
+    q = pre_rope_queries(module, hidden[:, spec.n_sink:]).float()
+    mean = q.mean(dim=2)
+    centred = q - mean.unsqueeze(2)
+    cov = centred.transpose(-1, -2) @ centred / q.shape[2]
+    return mean @ rotation.T, rotation @ cov @ rotation.T
+
+
 @contextmanager
-def capture_window_queries(model: nn.Module, window: int):
-    """Within the block, record each layer's window queries into the yielded dict ``{layer_idx: tensor}``."""
-    captured: dict[int, torch.Tensor] = {}
+def capture_window_queries(model: nn.Module, window: int, query_stats: QueryStatsSpec | None = None,
+                           prompt_length: int = 0):
+    """Within the block, record each layer's window queries into the yielded dict ``{layer_idx: tensor}``
+    (and, with ``query_stats``, ``{("stats", layer_idx): (mean, cov)}``)."""
+    captured: dict = {}
     handles = []
+    rotation = None
 
     def hook(module, args, kwargs):
+        nonlocal rotation
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         captured[module.layer_idx] = window_queries(module, hidden, kwargs["position_embeddings"], window)
+        if query_stats is not None:
+            if rotation is None:
+                rotation = mean_rotation(model, prompt_length, query_stats.n_future, module.head_dim, hidden.device)
+            captured["stats", module.layer_idx] = query_statistics(module, hidden, query_stats, rotation)
 
     for mod in attention_modules(model):
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
@@ -103,18 +148,20 @@ def capture_window_queries(model: nn.Module, window: int):
 
 
 @torch.inference_mode()
-def run_prefill(model: nn.Module, input_ids: torch.Tensor, window: int) -> Prefill:
-    """Process the whole prompt once with a full dense cache; capture keys, values and window queries."""
+def run_prefill(model: nn.Module, input_ids: torch.Tensor, window: int,
+                query_stats: QueryStatsSpec | None = None) -> Prefill:
+    """Process the whole prompt once with a full dense cache; capture keys, values and window queries
+    (and the query statistics ExpectedAttention needs, when asked)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"run_prefill expects input_ids of shape (1, S), got {tuple(input_ids.shape)}")
     start = time.perf_counter()
     window = min(window, input_ids.shape[1])
     cache = DynamicCache(config=model.config)
-    with capture_window_queries(model, window) as queries:
+    with capture_window_queries(model, window, query_stats, input_ids.shape[1]) as queries:
         out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     first_token = int(out.logits[0, -1].argmax())
     layers = tuple(
-        LayerPrefill(keys=layer.keys, values=layer.values, window_queries=queries[i])
+        LayerPrefill(layer.keys, layer.values, queries[i], *queries.get(("stats", i), (None, None)))
         for i, layer in enumerate(cache.layers)
     )
     return Prefill(layers=layers, prompt_length=input_ids.shape[1], first_token=first_token,

@@ -1,7 +1,8 @@
-"""The two small interfaces every compression method implements.
+"""The small interfaces every compression method implements.
 
-* :class:`EvictionMethod` picks which prompt tokens each kv-head keeps (SnapKV, ...).
-* :class:`ChannelMethod` turns the kept keys of one layer into a compact :class:`KeyStore` (ThinK, SparK).
+* :class:`EvictionMethod` picks which prompt tokens each kv-head keeps (SnapKV, PyramidKV, ...).
+* :class:`ChannelMethod` turns the kept keys of one layer into a compact key store (ThinK, SparK).
+* value pruning (:mod:`spark_bench.methods.channel.value_norm`) turns the kept values into a compact value store.
 
 A method configuration composes at most one of each (``snapkv+spark``); eviction runs first, channel pruning
 then sees only the surviving tokens, as in kvpress' ``ComposedPress`` used by the official SparK code.
@@ -10,29 +11,57 @@ then sees only the surviving tokens, as in kvpress' ``ComposedPress`` used by th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from spark_bench.engine.prefill import LayerPrefill
-from spark_bench.storage.stores import KeyStore
+from spark_bench.storage.stores import Store
+
+
+@dataclass(frozen=True)
+class TokenSelection:
+    """Tokens kept by one layer: ascending ``indices (B, H_kv, n)``.
+
+    Methods that keep a different number of tokens per head (AdaKV) pad every head to the longest one;
+    ``valid (B, H_kv, n)`` is then False on the padding, which attention masks out.
+    """
+
+    indices: torch.Tensor
+    valid: torch.Tensor | None = None
 
 
 class EvictionMethod(ABC):
     """Token eviction: which prompt positions survive, per layer and kv-head."""
 
+    needs_query_stats = False  # True if the method needs the prefill's query mean/covariance (ExpectedAttention)
+
     @abstractmethod
-    def keep_indices(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> torch.Tensor | None:
-        """Ascending token indices ``(B, H_kv, n)`` to keep, or ``None`` to keep every token."""
+    def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
+        """The kept tokens, or ``None`` to keep every token."""
 
 
 class ChannelMethod(ABC):
     """Key-channel pruning: store the (already evicted) keys of one layer compactly."""
 
     @abstractmethod
-    def compress_keys(self, keys: torch.Tensor, layer: LayerPrefill) -> KeyStore:
+    def compress_keys(self, keys: torch.Tensor, layer: LayerPrefill, layer_idx: int = 0) -> Store:
         """``keys`` is ``(B, H_kv, S', D)``; ``layer`` carries the observation-window queries."""
 
 
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Select tokens ``(B, H, n)`` from ``x`` ``(B, H, S, D)``."""
     return x.gather(2, indices.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+
+
+def top_tokens(scores: torch.Tensor, n_keep: int, forced: torch.Tensor | None = None,
+               offset: int = 0) -> TokenSelection:
+    """Keep ``n_keep`` tokens per head: the ``forced`` positions ``(n_f,)`` (window, sinks) and the highest scores.
+
+    ``scores`` is ``(B, H, n)`` over prompt positions ``offset … offset + n − 1``.
+    """
+    n_forced = 0 if forced is None else forced.numel()
+    top = scores.topk(n_keep - n_forced, dim=-1).indices + offset
+    if forced is not None:
+        top = torch.cat([top, forced.expand(*top.shape[:2], n_forced)], dim=-1)
+    return TokenSelection(top.sort(dim=-1).values)

@@ -1,4 +1,4 @@
-"""From a method configuration to a compressed cache: evict tokens, then prune key channels, per layer."""
+"""From a method configuration to a compressed cache: evict tokens, then prune key (and value) channels, per layer."""
 
 from __future__ import annotations
 
@@ -7,51 +7,93 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 from spark_bench.engine.cache import CompressedCache, StoredLayer
-from spark_bench.engine.prefill import LayerPrefill, Prefill
+from spark_bench.engine.prefill import LayerPrefill, Prefill, QueryStatsSpec
 from spark_bench.methods.base import ChannelMethod, EvictionMethod, gather_tokens
-from spark_bench.methods.channel.spark import SparK
+from spark_bench.methods.channel.recovery import RECOVERY_MODES
+from spark_bench.methods.channel.spark import GROUP_RATIOS, SALIENCY_MODES, VARIANTS, SparK
 from spark_bench.methods.channel.think import ThinK
+from spark_bench.methods.channel.value_norm import ValueNorm
+from spark_bench.methods.eviction.adasnapkv import AdaSnapKV
+from spark_bench.methods.eviction.expected_attention import ExpectedAttention
+from spark_bench.methods.eviction.pyramidkv import FALLBACKS, PyramidKV
 from spark_bench.methods.eviction.snapkv import SnapKV
 from spark_bench.methods.eviction.streamingllm import StreamingLLM
-from spark_bench.storage.stores import DenseKeyStore
+from spark_bench.methods.eviction.tova import TOVA
+from spark_bench.storage.stores import DenseStore
+
+
+def _snapkv_args(c: "MethodConfig") -> dict:
+    return dict(budget=c.budget, window_size=c.window_size, kernel_size=c.kernel_size, pooling=c.pooling)
+
 
 # method name → builder from a MethodConfig (one entry per method module)
 EVICTION_METHODS = {
-    "snapkv": lambda c: SnapKV(budget=c.budget, window_size=c.window_size, kernel_size=c.kernel_size,
-                               pooling=c.pooling),
     "streamingllm": lambda c: StreamingLLM(budget=c.budget, n_sink=c.n_sink),
+    "snapkv": lambda c: SnapKV(**_snapkv_args(c)),
+    "pyramidkv": lambda c: PyramidKV(**_snapkv_args(c), beta=c.beta, fallback=c.pyramid_fallback),
+    "adasnapkv": lambda c: AdaSnapKV(**_snapkv_args(c), alpha_safeguard=c.alpha_safeguard),
+    "tova": lambda c: TOVA(budget=c.budget),
+    "expected_attention": lambda c: ExpectedAttention(budget=c.budget, n_sink=c.n_sink),
 }
 CHANNEL_METHODS = {
     "think": lambda c: ThinK(ratio=c.ratio, window_size=c.window_size, keep_window=c.think_keep_window),
-    "spark": lambda c: SparK(ratio=c.ratio, window_size=c.window_size, saliency=c.saliency, recovery=c.recovery),
+    "spark": lambda c: SparK(ratio=c.ratio, window_size=c.window_size, saliency=c.saliency, recovery=c.recovery,
+                             variant=c.variant, top_p=c.top_p, groups=c.groups, constant=c.constant, seed=c.seed),
 }
-DISPLAY = {"full": "Full", "snapkv": "SnapKV", "streamingllm": "StreamingLLM", "think": "ThinK", "spark": "SparK"}
+DISPLAY = {"full": "Full", "snapkv": "SnapKV", "streamingllm": "StreamingLLM", "pyramidkv": "PyramidKV",
+           "adasnapkv": "AdaSnapKV", "tova": "TOVA", "expected_attention": "ExpectedAttention",
+           "think": "ThinK", "spark": "SparK"}
 METHOD_NAMES = ("full", *EVICTION_METHODS, *CHANNEL_METHODS,
                 *(f"{e}+{c}" for e, c in itertools.product(EVICTION_METHODS, CHANNEL_METHODS)))
 
+# option name → allowed values, for the options with a closed set (checked before anything runs)
+CHOICES = {"saliency": SALIENCY_MODES, "recovery": RECOVERY_MODES, "variant": VARIANTS, "pooling": ("max", "avg"),
+           "pyramid_fallback": FALLBACKS}
 
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """One point of a sweep. ``budget``: KV size in tokens (≥ 1) or a fraction of the prompt (< 1);
-    ``ratio``: key-channel pruning ratio λ. Every field except ``name`` is also a top-level config key."""
+    """One point of a sweep. Every field except ``name`` is also a top-level config key.
+
+    ``budget``: KV size in tokens (≥ 1) or a fraction of the prompt (< 1). ``ratio``: key-channel pruning ratio
+    λ; ``value_ratio``: value-channel pruning ratio λ_v (Appendix D, composes with any method). SparK options:
+    ``saliency``, ``recovery``, ``variant`` (``fixed``/``top_p``/``group``) with ``top_p`` and ``groups``,
+    ``constant`` (for ``recovery=constant``) and ``seed`` (Gaussian/Exponential sampling).
+    """
 
     name: str = "full"
     budget: float = 0.2
     ratio: float = 0.0
+    value_ratio: float = 0.0
     window_size: int = 32
     kernel_size: int = 7
     pooling: str = "max"
     saliency: str = "official"
     recovery: str = "degenerate"
+    variant: str = "fixed"
+    top_p: float = 0.99
+    groups: int = 4
+    constant: float = 0.01
+    seed: int = 0
     think_keep_window: bool = True
     n_sink: int = 4
+    beta: int = 20
+    pyramid_fallback: str = "original"
+    alpha_safeguard: float = 0.2
 
     def __post_init__(self):
         if self.name not in METHOD_NAMES:
             raise ValueError(f"unknown method {self.name!r}; valid: {', '.join(METHOD_NAMES)}")
-        if not 0 <= self.ratio < 1:
-            raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
+        for key in ("ratio", "value_ratio"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"{key} must be in [0, 1), got {getattr(self, key)}")
+        for key, allowed in CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key} must be one of {', '.join(allowed)}; got {getattr(self, key)!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.groups not in GROUP_RATIOS:
+            raise ValueError(f"groups must be one of {sorted(GROUP_RATIOS)}, got {self.groups}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "MethodConfig":
@@ -73,10 +115,22 @@ class MethodConfig:
 
     @property
     def label(self) -> str:
-        """Row label in tables, e.g. ``SnapKV+SparK(0.8) @128``."""
+        """Row label in tables, e.g. ``SnapKV+SparK(0.8) @128``, ``SnapKV+SparK(0.5+0.3) @128``,
+        ``SnapKV+SparK-p(0.99) @128``, ``SnapKV+SparK(0.8)[gaussian] @128``."""
         text = "+".join(DISPLAY[p] for p in self.name.split("+"))
-        if self.channel_name:
-            text += f"({self.ratio:g})"
+        vr = f"+{self.value_ratio:g}" if self.value_ratio else ""
+        if self.channel_name == "spark" and self.variant == "top_p":
+            text += f"-p({self.top_p:g}{vr})"
+        elif self.channel_name == "spark" and self.variant == "group":
+            text += f"-g({self.groups}{vr})"
+        elif self.channel_name:
+            text += f"({self.ratio:g}{vr})"
+        elif self.value_ratio:
+            text += f"+V({self.value_ratio:g})"
+        if self.channel_name == "spark":
+            tags = [t for t in (self.recovery if self.recovery != "degenerate" else "",
+                                "paper" if self.saliency == "paper" else "") if t]
+            text += "".join(f"[{t}]" for t in tags)
         if self.eviction_name:
             text += f" @{self.budget:g}"
         return text
@@ -95,28 +149,45 @@ def build_channel(cfg: MethodConfig) -> ChannelMethod | None:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """Eviction (optional) followed by channel pruning (optional) for every layer of a prefill."""
+    """Eviction (optional), then key-channel pruning (optional) and value pruning (optional), for every layer."""
 
     config: MethodConfig
     eviction: EvictionMethod | None
     channel: ChannelMethod | None
+    values: ValueNorm | None
 
     @classmethod
     def from_config(cls, cfg: MethodConfig) -> "Pipeline":
-        return cls(config=cfg, eviction=build_eviction(cfg), channel=build_channel(cfg))
+        return cls(config=cfg, eviction=build_eviction(cfg), channel=build_channel(cfg),
+                   values=ValueNorm(cfg.value_ratio) if cfg.value_ratio else None)
+
+    @property
+    def query_stats(self) -> QueryStatsSpec | None:
+        """What the prefill must capture for this pipeline beyond keys, values and window queries."""
+        if self.eviction is not None and self.eviction.needs_query_stats:
+            return QueryStatsSpec(n_sink=self.config.n_sink)
+        return None
 
     def compress_layer(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> StoredLayer:
-        keys, values = layer.keys, layer.values
+        keys, values, valid = layer.keys, layer.values, None
         if self.eviction is not None:
-            keep = self.eviction.keep_indices(layer, layer_idx, num_layers)
-            if keep is not None:
-                keys, values = gather_tokens(keys, keep), gather_tokens(values, keep)
-        store = self.channel.compress_keys(keys, layer) if self.channel is not None else DenseKeyStore(keys)
-        return StoredLayer(store, values)
+            selection = self.eviction.select(layer, layer_idx, num_layers)
+            if selection is not None:
+                keys, values = gather_tokens(keys, selection.indices), gather_tokens(values, selection.indices)
+                valid = selection.valid
+        key_store = self.channel.compress_keys(keys, layer, layer_idx) if self.channel else DenseStore(keys)
+        value_store = self.values.compress_values(values) if self.values else DenseStore(values)
+        return StoredLayer(key_store, value_store, valid)
 
-    def build_cache(self, prefill: Prefill) -> tuple[CompressedCache, float]:
+    def build_cache(self, prefill: Prefill, attention: str = "compact") -> tuple[CompressedCache, float]:
         """The compressed cache for this config (never modifies ``prefill``) and the seconds it took."""
         start = time.perf_counter()
         n = len(prefill.layers)
-        cache = CompressedCache([self.compress_layer(layer, i, n) for i, layer in enumerate(prefill.layers)])
-        return cache, time.perf_counter() - start
+        layers = [self.compress_layer(layer, i, n) for i, layer in enumerate(prefill.layers)]
+        return CompressedCache(layers, attention), time.perf_counter() - start
+
+
+def kept_key_fraction(cache: CompressedCache) -> float:
+    """Fraction of key entries actually stored (1 − the achieved "Overall Ratio" of paper Table 5)."""
+    total = sum(layer.key_store.length for layer in cache.layers)
+    return sum(layer.key_store.kept_fraction() * layer.key_store.length for layer in cache.layers) / max(total, 1)

@@ -1,8 +1,9 @@
-"""Key stores: what a channel-pruned layer actually keeps in memory.
+"""Stores: what a compressed layer actually keeps in memory, for keys and for values.
 
-A store owns only compact tensors and rebuilds the ``(B, H, S, D)`` key matrix that attention sees on demand
-(:meth:`materialize`). :meth:`nbytes` is the true size of everything it holds, metadata included, so the
-byte figures in every prediction are measured, not estimated.
+A store owns only compact tensors. Attention reads it through :meth:`logits` (keys: ``q·kᵀ`` for grouped
+queries) or :meth:`materialize` (the dense ``(B, H, S, D)`` matrix, the reference path and the value path).
+:meth:`nbytes` is the true size of everything a store holds, metadata included, so the byte figures in every
+prediction are measured, not estimated.
 """
 
 from __future__ import annotations
@@ -15,19 +16,27 @@ import torch
 from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
 
 
-class KeyStore(Protocol):
-    """Compact prompt keys of one layer."""
+class Store(Protocol):
+    """Compact prompt keys or values of one layer."""
 
     @property
     def length(self) -> int: ...
 
+    @property
+    def shape(self) -> tuple[int, int, int, int]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
     def materialize(self) -> torch.Tensor: ...
+
+    def logits(self, queries: torch.Tensor) -> torch.Tensor: ...
 
     def nbytes(self) -> int: ...
 
 
 class Recovery(Protocol):
-    """Refills pruned key entries at attention time from cached statistics (paper §4.3)."""
+    """Refills pruned entries at attention time from cached statistics (paper §4.3)."""
 
     def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
@@ -39,60 +48,90 @@ def channel_index_dtype(head_dim: int) -> torch.dtype:
     return torch.uint8 if head_dim <= 256 else torch.int16
 
 
-@dataclass(frozen=True)
-class DenseKeyStore:
-    """Uncompressed keys (reference / no channel pruning)."""
+def dense_logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``queries (B, H, G, D) @ keys (B, H, S, D)ᵀ → (B, H, G, S)`` in the queries' dtype."""
+    return queries @ keys.to(queries.dtype).transpose(-1, -2)
 
-    keys: torch.Tensor
+
+@dataclass(frozen=True)
+class DenseStore:
+    """Uncompressed keys or values (no channel pruning)."""
+
+    data: torch.Tensor
 
     @property
     def length(self) -> int:
-        return self.keys.shape[-2]
+        return self.data.shape[-2]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
 
     def materialize(self) -> torch.Tensor:
-        return self.keys
+        return self.data
+
+    def logits(self, queries: torch.Tensor) -> torch.Tensor:
+        return dense_logits(queries, self.data)
 
     def nbytes(self) -> int:
-        return tensor_bytes(self.keys)
+        return tensor_bytes(self.data)
+
+    def kept_fraction(self) -> float:
+        return 1.0
 
 
 @dataclass(frozen=True)
-class UnstructuredKeyStore:
-    """Per-token channel subsets (SparK): kept entries + a D-bit channel mask per token + recovery metadata.
+class UnstructuredStore:
+    """Per-token channel subsets (SparK keys, norm-pruned values): kept entries + a D-bit mask + recovery.
 
-    ``kept`` is ``(B, H, S, T)`` with the kept entries of every token in ascending channel order, so the mask
-    alone says where each value goes (no explicit indices needed).
+    ``kept`` is flat: the kept entries of every token in row-major order (ascending channel inside a token), so
+    the mask alone says where each value goes and tokens may keep different numbers of channels (SparK-p/-g).
     """
 
     kept: torch.Tensor
     mask_bits: torch.Tensor
-    head_dim: int
+    shape: tuple[int, int, int, int]
     recovery: Recovery
 
     @classmethod
-    def from_mask(cls, keys: torch.Tensor, kept_mask: torch.Tensor, recovery: Recovery) -> "UnstructuredKeyStore":
-        """Build from dense keys and a bool mask with the same number of kept channels in every row."""
-        kept_per_row = kept_mask.sum(-1)
-        n_kept = int(kept_per_row.flatten()[0]) if kept_per_row.numel() else 0
-        if not bool((kept_per_row == n_kept).all()):
-            raise ValueError("UnstructuredKeyStore needs the same number of kept channels for every token")
-        kept = keys.masked_select(kept_mask).reshape(*keys.shape[:-1], n_kept)
-        return cls(kept=kept, mask_bits=pack_bits(kept_mask), head_dim=keys.shape[-1], recovery=recovery)
+    def from_mask(cls, data: torch.Tensor, kept_mask: torch.Tensor, recovery: Recovery) -> "UnstructuredStore":
+        return cls(kept=data.masked_select(kept_mask), mask_bits=pack_bits(kept_mask), shape=tuple(data.shape),
+                   recovery=recovery)
 
     @property
     def length(self) -> int:
-        return self.kept.shape[-2]
+        return self.shape[-2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kept.dtype
 
     def kept_mask(self) -> torch.Tensor:
         return unpack_bits(self.mask_bits, self.head_dim)
 
     def materialize(self) -> torch.Tensor:
         mask = self.kept_mask()
-        out = self.recovery.fill(mask, self.kept.dtype)
-        return out.masked_scatter(mask, self.kept)
+        return self.recovery.fill(mask, self.kept.dtype).masked_scatter(mask, self.kept)
+
+    def logits(self, queries: torch.Tensor) -> torch.Tensor:
+        return dense_logits(queries, self.materialize())
 
     def nbytes(self) -> int:
         return tensor_bytes(self.kept, self.mask_bits) + self.recovery.nbytes()
+
+    def kept_fraction(self) -> float:
+        total = 1
+        for n in self.shape:
+            total *= n
+        return self.kept.numel() / max(total, 1)
 
 
 @dataclass(frozen=True)
@@ -101,7 +140,7 @@ class StructuredKeyStore:
 
     ``kept`` is ``(B, H, S_old, T)``, ``channels`` ``(B, H, T)`` ascending channel indices, ``recent``
     ``(B, H, R, D)``. Pruned channels read as zero, which is exactly ThinK's "prune the query channels to
-    match" (q·k only sums over kept channels).
+    match" (q·k only sums over kept channels); :meth:`logits` does that directly, without rebuilding keys.
     """
 
     kept: torch.Tensor
@@ -113,6 +152,14 @@ class StructuredKeyStore:
     def length(self) -> int:
         return self.kept.shape[-2] + self.recent.shape[-2]
 
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (*self.kept.shape[:2], self.length, self.head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kept.dtype
+
     def materialize(self) -> torch.Tensor:
         b, h, s_old, _ = self.kept.shape
         out = self.kept.new_zeros(b, h, s_old, self.head_dim)
@@ -120,5 +167,14 @@ class StructuredKeyStore:
         out.scatter_(-1, index, self.kept)
         return torch.cat([out, self.recent], dim=-2)
 
+    def logits(self, queries: torch.Tensor) -> torch.Tensor:
+        index = self.channels.long().unsqueeze(-2).expand(*queries.shape[:-1], -1)
+        pruned_queries = queries.gather(-1, index)  # (B, H, G, T): ThinK prunes the query channels to match
+        return torch.cat([dense_logits(pruned_queries, self.kept), dense_logits(queries, self.recent)], dim=-1)
+
     def nbytes(self) -> int:
         return tensor_bytes(self.kept, self.channels, self.recent)
+
+    def kept_fraction(self) -> float:
+        old, recent = self.kept.shape[-2], self.recent.shape[-2]
+        return (old * self.kept.shape[-1] + recent * self.head_dim) / max((old + recent) * self.head_dim, 1)

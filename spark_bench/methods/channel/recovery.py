@@ -1,14 +1,29 @@
 """SparK recovery functions 𝓕: refill pruned key entries at attention time (paper §4.3, Appendix A.2).
 
-Each recovery object holds exactly the metadata it needs and reports its byte size. Implemented here:
+A recovery is a *score sampler* (which saliency ``w̃`` a pruned entry gets) composed with a *key mapping* (which
+key entry produces that score). Each object keeps exactly the metadata it needs and reports its byte size.
 
-* :class:`DegenerateSigned` (official SparK code, ``saliency=official``): a pruned entry of token ``t``, channel
-  ``c`` becomes ``sign(k_tc) · sqrt(μ_t / ‖q_c‖₂)`` where ``μ_t`` is the mean saliency of the token's pruned
-  channels and ``‖q_c‖₂`` the L2 norm over the window of the (group-averaged) window queries. Needs ``μ_t`` per
-  token, one sign bit per pruned entry and ``‖q_c‖₂`` per head.
-* :class:`DegenerateQueryAligned` (paper text, ``saliency=paper``): ``k̃_tc = μ_t / q̄_c`` so that
-  ``q̄_c · k̃_tc = μ_t`` exactly as the paper states (``⟨q̄ʲ, k̃ʲ⟩ ≈ w̃ʲ``); the sign comes from the mean window
-  query, so no per-entry sign bits are stored. Channels whose mean window query is exactly zero refill with 0.
+Score samplers (``recovery=``), statistics cached at prefill:
+
+* ``degenerate`` (default): ``w̃_tc = μ_pruned,t``, the mean saliency of the token's pruned channels (Eq. 12).
+* ``gaussian``: ``w̃_tc ~ N(μ_t, σ_t²)`` with ``μ_t, σ_t`` mean and std of the token's saliency over all channels
+  (Eqs. 13–14).
+* ``exponential``: ``w̃_tc ~ Exp(1/μ_t)`` (mean ``μ_t``).
+
+Samples come from a generator seeded per layer (``seed``), drawn the same way at every decode step, so a token's
+recovered key never changes during decoding and runs are reproducible.
+
+Key mappings (``saliency=``):
+
+* ``official`` (:class:`SignedKey`): the official code's saliency is ``k²·‖q_c‖₂``, inverted as
+  ``k̃_tc = sign(k_tc)·sqrt(w̃ / ‖q_c‖₂)``; needs ``‖q_c‖₂`` per head and one sign bit per pruned entry.
+* ``paper`` (:class:`AlignedKey`): ``k̃_tc = w̃ / q̄_c`` so that ``q̄_c·k̃_tc = w̃`` exactly (§4.3,
+  ``⟨q̄ʲ, k̃ʲ⟩ ≈ w̃ʲ``); the sign comes from the mean query, no sign bits. Channels with ``q̄_c = 0`` refill 0.
+
+Observation-2 ablations (:class:`ConstantFill`, nothing cached): ``zero`` and ``constant`` (``constant=0.01``)
+fill pruned entries with a constant. ``none`` removes the channels and prunes the query to match (unrecovered);
+for a dot product that is the same number as a zero fill, so it is the zero fill, kept as its own name so the
+ablation tables read like the paper.
 """
 
 from __future__ import annotations
@@ -19,52 +34,128 @@ import torch
 
 from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
 
+SAMPLED = ("degenerate", "gaussian", "exponential")
+CONSTANT = ("zero", "constant", "none")
+RECOVERY_MODES = SAMPLED + CONSTANT
 
-def mean_pruned_saliency(saliency: torch.Tensor, kept_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``μ_pruned`` per token (Appendix A.2: mean saliency over the token's pruned channels) and the number of
-    pruned channels per token (the same for every token of a fixed-ratio store)."""
+
+def mean_pruned_saliency(saliency: torch.Tensor, kept_mask: torch.Tensor) -> torch.Tensor:
+    """``μ_pruned`` per token: mean saliency over the token's own pruned channels (0 if none is pruned)."""
     pruned = ~kept_mask
-    n_pruned = int(pruned[(0,) * (pruned.dim() - 1)].sum()) if pruned.numel() else 0
-    return (saliency * pruned).sum(-1) / max(n_pruned, 1), n_pruned
+    return (saliency * pruned).sum(-1) / pruned.sum(-1).clamp(min=1)
 
+
+# ---- score samplers ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class DegenerateSigned:
-    mu: torch.Tensor          # (B, H, S) mean pruned saliency per token, model dtype
-    query_norm: torch.Tensor  # (B, H, D) float32, ‖window queries of channel c‖₂
-    sign_bits: torch.Tensor   # (B, H, S, ceil(P / 8)) uint8, 1 = original key entry > 0
-    n_pruned: int
+class DegenerateScores:
+    mu: torch.Tensor  # (B, H, S) μ_pruned per token, model dtype
 
-    @classmethod
-    def build(cls, keys, kept_mask, saliency, query_norm, mu_dtype) -> "DegenerateSigned":
-        mu, n_pruned = mean_pruned_saliency(saliency, kept_mask)
-        signs = (keys > 0).masked_select(~kept_mask).reshape(*keys.shape[:-1], n_pruned)
-        return cls(mu=mu.to(mu_dtype), query_norm=query_norm, sign_bits=pack_bits(signs), n_pruned=n_pruned)
-
-    def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        magnitude = torch.sqrt(self.mu.float().unsqueeze(-1) / self.query_norm.unsqueeze(-2))
-        positive = torch.zeros_like(kept_mask).masked_scatter(~kept_mask, unpack_bits(self.sign_bits, self.n_pruned))
-        return torch.where(positive, magnitude, -magnitude).to(dtype)
+    def scores(self, shape: torch.Size) -> torch.Tensor:
+        return self.mu.float().unsqueeze(-1).expand(shape)
 
     def nbytes(self) -> int:
-        return tensor_bytes(self.mu, self.query_norm, self.sign_bits)
+        return tensor_bytes(self.mu)
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass(frozen=True)
-class DegenerateQueryAligned:
-    mu: torch.Tensor          # (B, H, S) mean pruned saliency per token, model dtype
+class GaussianScores:
+    mu: torch.Tensor     # (B, H, S) mean saliency over all channels
+    sigma: torch.Tensor  # (B, H, S) std of the saliency over all channels
+    seed: int
+
+    def scores(self, shape: torch.Size) -> torch.Tensor:
+        noise = torch.randn(shape, generator=_generator(self.seed, self.mu.device), device=self.mu.device)
+        return self.mu.float().unsqueeze(-1) + self.sigma.float().unsqueeze(-1) * noise
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.mu, self.sigma)
+
+
+@dataclass(frozen=True)
+class ExponentialScores:
+    mu: torch.Tensor  # (B, H, S) mean saliency over all channels = the distribution's mean
+    seed: int
+
+    def scores(self, shape: torch.Size) -> torch.Tensor:
+        unit = torch.empty(shape, device=self.mu.device).exponential_(generator=_generator(self.seed, self.mu.device))
+        return self.mu.float().unsqueeze(-1) * unit
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.mu)
+
+
+def build_sampler(mode: str, saliency: torch.Tensor, kept_mask: torch.Tensor, dtype: torch.dtype, seed: int):
+    if mode == "degenerate":
+        return DegenerateScores(mean_pruned_saliency(saliency, kept_mask).to(dtype))
+    mu = saliency.mean(-1)
+    if mode == "gaussian":
+        return GaussianScores(mu.to(dtype), saliency.std(-1, unbiased=False).to(dtype), seed)
+    if mode == "exponential":
+        return ExponentialScores(mu.to(dtype), seed)
+    raise ValueError(f"recovery must be one of {SAMPLED} for a sampled recovery, got {mode!r}")
+
+
+# ---- key mappings -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SignedKey:
+    query_norm: torch.Tensor  # (B, H, D) float32 ‖q_c‖₂ over the window (group-averaged queries)
+    sign_bits: torch.Tensor   # flat packed bits, 1 = original key entry > 0, one per pruned entry (row-major)
+    n_signs: int
+
+    @classmethod
+    def build(cls, keys: torch.Tensor, kept_mask: torch.Tensor, query_norm: torch.Tensor) -> "SignedKey":
+        signs = (keys > 0).masked_select(~kept_mask)
+        return cls(query_norm=query_norm, sign_bits=pack_bits(signs), n_signs=signs.numel())
+
+    def keys(self, scores: torch.Tensor, kept_mask: torch.Tensor) -> torch.Tensor:
+        magnitude = torch.sqrt(scores.clamp(min=0) / self.query_norm.unsqueeze(-2))
+        positive = torch.zeros_like(kept_mask).masked_scatter(~kept_mask, unpack_bits(self.sign_bits, self.n_signs))
+        return torch.where(positive, magnitude, -magnitude)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.query_norm, self.sign_bits)
+
+
+@dataclass(frozen=True)
+class AlignedKey:
     mean_query: torch.Tensor  # (B, H, D) float32 mean window query q̄
 
-    @classmethod
-    def build(cls, keys, kept_mask, saliency, mean_query, mu_dtype) -> "DegenerateQueryAligned":
-        mu, _ = mean_pruned_saliency(saliency, kept_mask)
-        return cls(mu=mu.to(mu_dtype), mean_query=mean_query)
-
-    def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def keys(self, scores: torch.Tensor, kept_mask: torch.Tensor) -> torch.Tensor:
         q = self.mean_query.unsqueeze(-2)
-        safe = torch.where(q == 0, torch.ones_like(q), q)
-        out = torch.where(q == 0, torch.zeros_like(q), self.mu.float().unsqueeze(-1) / safe)
-        return out.expand(*kept_mask.shape).to(dtype)
+        return torch.where(q == 0, torch.zeros_like(scores), scores / torch.where(q == 0, torch.ones_like(q), q))
 
     def nbytes(self) -> int:
-        return tensor_bytes(self.mu, self.mean_query)
+        return tensor_bytes(self.mean_query)
+
+
+@dataclass(frozen=True)
+class SampledRecovery:
+    """𝓕(μ, σ) = key entry whose score with the window query is a sample of the cached distribution (Eq. 8)."""
+
+    sampler: DegenerateScores | GaussianScores | ExponentialScores
+    mapping: SignedKey | AlignedKey
+
+    def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.mapping.keys(self.sampler.scores(kept_mask.shape), kept_mask).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.sampler.nbytes() + self.mapping.nbytes()
+
+
+@dataclass(frozen=True)
+class ConstantFill:
+    """Pruned entries read as ``value`` (0 for zero-fill / unrecovered, 0.01 for the paper's constant)."""
+
+    value: float = 0.0
+
+    def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full(kept_mask.shape, self.value, dtype=dtype, device=kept_mask.device)
+
+    def nbytes(self) -> int:
+        return 0

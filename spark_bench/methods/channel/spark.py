@@ -8,8 +8,15 @@ Per token ``t`` and kv-head, the saliency of channel ``c`` is (``saliency=``):
 * ``paper`` (Eq. 6 and §4.3): ``w_tc = |q̄_c| · |k_tc|`` with ``q̄`` the mean window query;
   ``T = ⌊(1 − λ)·D⌋`` channels are kept.
 
-The top-``T`` channels of each token are stored (Eq. 7); pruned entries are refilled at attention time with the
-degenerate distribution (``μ_pruned`` per token, Appendix A.2), see :mod:`.recovery`.
+Which channels each token keeps (``variant=``, §5.5):
+
+* ``fixed``: the top-``T`` channels (Eq. 7).
+* ``top_p`` (SparK-p): the fewest channels whose saliency covers a fraction ``top_p`` (0.99) of the token's total.
+* ``group`` (SparK-g): the token's channels sorted by saliency are cut into ``groups`` equal segments; the least
+  salient segment gets the largest pruning ratio (g=4: 1.0/0.75/0.5/0.25, g=5: 0.9/0.7/0.5/0.3/0.1 from least to
+  most salient) and each segment drops its own least salient channels.
+
+Pruned entries are refilled at attention time by the recovery function (``recovery=``, see :mod:`.recovery`).
 """
 
 from __future__ import annotations
@@ -21,11 +28,25 @@ import torch
 
 from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods.base import ChannelMethod
-from spark_bench.methods.channel.recovery import DegenerateQueryAligned, DegenerateSigned
-from spark_bench.storage.stores import UnstructuredKeyStore
+from spark_bench.methods.channel.recovery import (
+    RECOVERY_MODES, AlignedKey, ConstantFill, SampledRecovery, SignedKey, build_sampler,
+)
+from spark_bench.storage.stores import UnstructuredStore
 
 SALIENCY_MODES = ("official", "paper")
-RECOVERY_MODES = ("degenerate",)
+VARIANTS = ("fixed", "top_p", "group")
+GROUP_RATIOS = {4: (0.25, 0.5, 0.75, 1.0), 5: (0.1, 0.3, 0.5, 0.7, 0.9)}  # paper §5.5, most → least salient
+
+
+def group_keep_by_rank(head_dim: int, groups: int) -> torch.Tensor:
+    """Bool ``(D,)`` over saliency ranks (0 = most salient): which ranks SparK-g keeps."""
+    ratios = GROUP_RATIOS[groups]
+    keep = torch.zeros(head_dim, dtype=torch.bool)
+    bounds = [round(i * head_dim / groups) for i in range(groups + 1)]
+    for ratio, start, end in zip(ratios, bounds[:-1], bounds[1:]):
+        n = end - start
+        keep[start:start + n - int(ratio * n)] = True  # the segment's most salient channels survive
+    return keep
 
 
 @dataclass(frozen=True)
@@ -34,12 +55,23 @@ class SparK(ChannelMethod):
     window_size: int = 32
     saliency: str = "official"
     recovery: str = "degenerate"
+    variant: str = "fixed"
+    top_p: float = 0.99
+    groups: int = 4
+    constant: float = 0.01
+    seed: int = 0
 
     def __post_init__(self):
         if self.saliency not in SALIENCY_MODES:
             raise ValueError(f"saliency must be one of {SALIENCY_MODES}, got {self.saliency!r}")
         if self.recovery not in RECOVERY_MODES:
             raise ValueError(f"recovery must be one of {RECOVERY_MODES}, got {self.recovery!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.groups not in GROUP_RATIOS:
+            raise ValueError(f"groups must be one of {sorted(GROUP_RATIOS)}, got {self.groups}")
 
     def n_keep(self, head_dim: int) -> int:
         if self.saliency == "official":
@@ -58,13 +90,32 @@ class SparK(ChannelMethod):
         return k.abs() * query_stat.abs().unsqueeze(-2)
 
     def kept_mask(self, saliency: torch.Tensor) -> torch.Tensor:
-        top = saliency.topk(self.n_keep(saliency.shape[-1]), dim=-1).indices
-        return torch.zeros_like(saliency, dtype=torch.bool).scatter_(-1, top, True)
+        d = saliency.shape[-1]
+        if self.variant == "fixed":
+            top = saliency.topk(self.n_keep(d), dim=-1).indices
+            return torch.zeros_like(saliency, dtype=torch.bool).scatter_(-1, top, True)
+        order = saliency.argsort(dim=-1, descending=True)
+        if self.variant == "top_p":
+            sorted_sal = saliency.gather(-1, order)
+            share = sorted_sal.cumsum(-1) / sorted_sal.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+            n_keep = ((share < self.top_p).sum(-1, keepdim=True) + 1).clamp(max=d)  # fewest covering top_p
+            keep_sorted = torch.arange(d, device=saliency.device) < n_keep
+        else:
+            keep_sorted = group_keep_by_rank(d, self.groups).to(saliency.device).expand_as(saliency)
+        return torch.zeros_like(saliency, dtype=torch.bool).scatter_(-1, order, keep_sorted)
 
-    def compress_keys(self, keys: torch.Tensor, layer: LayerPrefill) -> UnstructuredKeyStore:
+    def build_recovery(self, keys, mask, saliency, stat, seed: int):
+        if self.recovery in ("zero", "none"):
+            return ConstantFill(0.0)
+        if self.recovery == "constant":
+            return ConstantFill(self.constant)
+        sampler = build_sampler(self.recovery, saliency, mask, keys.dtype, seed)
+        mapping = SignedKey.build(keys, mask, stat) if self.saliency == "official" else AlignedKey(stat)
+        return SampledRecovery(sampler, mapping)
+
+    def compress_keys(self, keys: torch.Tensor, layer: LayerPrefill, layer_idx: int = 0) -> UnstructuredStore:
         stat = self.query_stat(layer)
         saliency = self.saliency_scores(keys, stat)
         mask = self.kept_mask(saliency)
-        build = DegenerateSigned.build if self.saliency == "official" else DegenerateQueryAligned.build
-        recovery = build(keys, mask, saliency, stat, keys.dtype)
-        return UnstructuredKeyStore.from_mask(keys, mask, recovery)
+        recovery = self.build_recovery(keys, mask, saliency, stat, seed=self.seed * 100_003 + layer_idx)
+        return UnstructuredStore.from_mask(keys, mask, recovery)

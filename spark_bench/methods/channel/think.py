@@ -32,7 +32,7 @@ class ThinK(ChannelMethod):
         q_energy = q.pow(2).mean(dim=2).view(b, h_kv, hq // h_kv, d).mean(dim=2)
         return q_energy * old_keys.float().pow(2).mean(dim=2)
 
-    def compress_keys(self, keys: torch.Tensor, layer: LayerPrefill) -> StructuredKeyStore:
+    def compress_keys(self, keys: torch.Tensor, layer: LayerPrefill, layer_idx: int = 0) -> StructuredKeyStore:
         s, d = keys.shape[-2], keys.shape[-1]
         n_recent = min(self.window_size, s) if self.keep_window else 0
         old, recent = keys[..., : s - n_recent, :], keys[..., s - n_recent:, :]

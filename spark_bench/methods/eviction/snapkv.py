@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from spark_bench.engine.prefill import LayerPrefill
-from spark_bench.methods.base import EvictionMethod
+from spark_bench.methods.base import EvictionMethod, TokenSelection, top_tokens
 
 
 def resolve_budget(budget: float, prompt_length: int) -> int:
@@ -41,6 +41,12 @@ def window_attention(layer: LayerPrefill, window_size: int) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+def group_mean(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Average ``(B, H_q, ...)`` over the query heads of each kv-head group (GQA) → ``(B, H_kv, ...)``."""
+    b, hq = x.shape[:2]
+    return x.view(b, num_kv_heads, hq // num_kv_heads, *x.shape[2:]).mean(dim=2)
+
+
 @dataclass(frozen=True)
 class SnapKV(EvictionMethod):
     budget: float
@@ -60,19 +66,19 @@ class SnapKV(EvictionMethod):
         b, hq, n = attn.shape
         attn = pool(attn.reshape(b * hq, 1, n), kernel_size=self.kernel_size, stride=1,
                     padding=self.kernel_size // 2).reshape(b, hq, n)
-        h_kv = layer.num_kv_heads
-        return attn.view(b, h_kv, hq // h_kv, n).mean(dim=2)
+        return group_mean(attn, layer.num_kv_heads)
 
-    def keep_indices(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> torch.Tensor | None:
+    def layer_budget(self, prompt_length: int, layer_idx: int, num_layers: int) -> int:
+        """Tokens this layer keeps (the same for every layer; PyramidKV overrides this)."""
+        return resolve_budget(self.budget, prompt_length)
+
+    def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         s = layer.keys.shape[-2]
-        n_keep = resolve_budget(self.budget, s)
+        n_keep = self.layer_budget(s, layer_idx, num_layers)
         w = min(self.window_size, s)
         if n_keep >= s:
             return None
         if n_keep < w:
-            raise ValueError(f"snapkv budget {n_keep} tokens is smaller than the observation window {w}")
-        scores = self.token_scores(layer)
-        top = scores.topk(n_keep - w, dim=-1).indices
-        b, h, _ = top.shape
-        window = torch.arange(s - w, s, device=top.device).expand(b, h, w)
-        return torch.cat([top, window], dim=-1).sort(dim=-1).values
+            raise ValueError(f"{type(self).__name__.lower()} budget {n_keep} tokens is smaller than the "
+                             f"observation window {w}")
+        return top_tokens(self.token_scores(layer), n_keep, torch.arange(s - w, s, device=layer.keys.device))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from spark_bench.engine.prefill import LayerPrefill
-from spark_bench.methods.base import EvictionMethod
+from spark_bench.methods.base import EvictionMethod, TokenSelection
 from spark_bench.methods.eviction.snapkv import resolve_budget
 
 
@@ -20,7 +20,7 @@ class StreamingLLM(EvictionMethod):
     budget: float
     n_sink: int = 4
 
-    def keep_indices(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> torch.Tensor | None:
+    def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         b, h, s, _ = layer.keys.shape
         n_keep = resolve_budget(self.budget, s)
         if n_keep >= s:
@@ -30,4 +30,4 @@ class StreamingLLM(EvictionMethod):
         device = layer.keys.device
         idx = torch.cat([torch.arange(self.n_sink, device=device),
                          torch.arange(s - (n_keep - self.n_sink), s, device=device)])
-        return idx.expand(b, h, n_keep)
+        return TokenSelection(idx.expand(b, h, n_keep))

@@ -1,0 +1,49 @@
+"""AdaSnapKV (Feng et al., 2024, AdaKV over SnapKV scores): head-wise budget allocation inside each layer.
+
+Reference behaviour (kvpress ``AdaKVPress(SnapKVPress)``): the layer's pre-window budget ``H·(B − W)`` is spent on
+the highest SnapKV scores across all kv-heads at once, so heads with concentrated attention give tokens to heads
+with diffuse attention; a safeguard first reserves each head's top ``int(α·(B − W))`` tokens (``α = 0.2``). The
+window is always kept. Heads end up with different lengths: they are padded to the longest and the padding is
+masked at attention time (:class:`~spark_bench.methods.base.TokenSelection`); the padding is real memory and is
+counted in the cache bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spark_bench.engine.prefill import LayerPrefill
+from spark_bench.methods.base import TokenSelection
+from spark_bench.methods.eviction.snapkv import SnapKV, resolve_budget
+
+
+@dataclass(frozen=True)
+class AdaSnapKV(SnapKV):
+    alpha_safeguard: float = 0.2
+
+    def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
+        b, h, s, _ = layer.keys.shape
+        n_keep = resolve_budget(self.budget, s)
+        w = min(self.window_size, s)
+        if n_keep >= s:
+            return None
+        if n_keep < w:
+            raise ValueError(f"adasnapkv budget {n_keep} tokens is smaller than the observation window {w}")
+        scores = self.token_scores(layer)  # (B, H, S − W)
+        per_head, n_scored = n_keep - w, s - w
+        safe = scores.topk(int(per_head * self.alpha_safeguard), dim=-1).indices
+        scores = scores.scatter(-1, safe, float("inf"))
+        chosen = scores.reshape(b, -1).topk(h * per_head, dim=-1).indices
+        selected = torch.zeros(b, h * n_scored, dtype=torch.bool, device=scores.device)
+        selected = selected.scatter_(-1, chosen, True).view(b, h, n_scored)
+        n_max = int(selected.sum(-1).max())
+        # selected positions first (ascending), then padding
+        position = torch.arange(n_scored, device=scores.device).expand(b, h, n_scored)
+        order = torch.where(selected, position, position + n_scored).sort(dim=-1).values[..., :n_max]
+        valid = order < n_scored
+        indices = torch.where(valid, order, torch.zeros_like(order))
+        window = torch.arange(n_scored, s, device=scores.device).expand(b, h, w)
+        return TokenSelection(torch.cat([indices, window], dim=-1),
+                              torch.cat([valid, torch.ones_like(window, dtype=torch.bool)], dim=-1))

@@ -1,0 +1,29 @@
+"""TOVA (Oren et al., 2024): keep the tokens the last prompt token attends to most.
+
+Reference behaviour (kvpress ``TOVAPress``, used by the official SparK code): the softmax attention of the last
+prompt query over all earlier tokens, averaged over *all* query heads, gives one score per token; every kv-head of
+the layer keeps the same top tokens. The last token itself is always kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spark_bench.engine.prefill import LayerPrefill
+from spark_bench.methods.base import EvictionMethod, TokenSelection, top_tokens
+from spark_bench.methods.eviction.snapkv import resolve_budget, window_attention
+
+
+@dataclass(frozen=True)
+class TOVA(EvictionMethod):
+    budget: float
+
+    def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
+        b, h, s, _ = layer.keys.shape
+        n_keep = resolve_budget(self.budget, s)
+        if n_keep >= s:
+            return None
+        scores = window_attention(layer, 1)[..., 0, :-1].mean(dim=1, keepdim=True).expand(b, h, s - 1)
+        return top_tokens(scores, n_keep, torch.tensor([s - 1], device=layer.keys.device))
