@@ -74,8 +74,9 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
               log=print) -> pd.DataFrame:
     """Run every config on every sample, writing ``predictions.jsonl``, ``scores.csv`` and ``table.md``."""
     labels = [c.label for c in configs]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"sweep has duplicate method configs: {labels}")
+    duplicates = sorted({label for label in labels if labels.count(label) > 1})
+    if duplicates:
+        raise ValueError(f"sweep has duplicate method configs (same table row): {duplicates}")
     pipelines = [Pipeline.from_config(c) for c in configs]
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []

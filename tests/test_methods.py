@@ -22,7 +22,8 @@ SPARK_OPTIONS = (
     [dict(ratio=r) for r in (0.5, 0.8)]
     + [dict(ratio=0.8, recovery=rec) for rec in ("gaussian", "exponential", "zero", "constant", "none")]
     + [dict(variant="top_p", top_p=0.9), dict(variant="group", groups=4), dict(variant="group", groups=5)]
-    + [dict(ratio=0.5, value_ratio=0.3), dict(ratio=0.8, saliency="paper", recovery="gaussian")]
+    + [dict(ratio=0.5, value_ratio=0.3), dict(ratio=0.8, saliency="paper", recovery="gaussian"),
+       dict(ratio=0.8, recovery="exponential", recovery_stats="all")]
 )
 OPTIONS = {"spark": SPARK_OPTIONS, "think": [dict(ratio=0.5), dict(ratio=0.8, value_ratio=0.3)],
            None: [dict(), dict(value_ratio=0.5)]}
@@ -204,8 +205,12 @@ def test_gaussian_recovery_matches_its_distribution():
     q_bar = queries.mean(dim=-2)[0, 0]
     scores = (store.materialize() * q_bar)[~store.kept_mask()]
     sal = spark.saliency_scores(keys, q_bar.view(1, 1, 64))
-    expected_mean = sal.mean(-1, keepdim=True).expand_as(sal)[~store.kept_mask()].mean()
-    assert scores.mean().item() == pytest.approx(expected_mean.item(), rel=0.05)
+    pruned = ~store.kept_mask()
+    mu = (sal * pruned).sum(-1, keepdim=True) / pruned.sum(-1, keepdim=True)  # recovery_stats=pruned
+    assert scores.mean().item() == pytest.approx(mu.expand_as(sal)[pruned].mean().item(), rel=0.05)
+    sigma = (((sal - mu) ** 2 * pruned).sum(-1, keepdim=True) / pruned.sum(-1, keepdim=True)).sqrt()
+    assert (scores - mu.expand_as(sal)[pruned]).std().item() == pytest.approx(
+        sigma.expand_as(sal)[pruned].pow(2).mean().sqrt().item(), rel=0.05)
 
 
 def test_zero_and_none_recovery_are_the_same_attention_and_constant_fills():

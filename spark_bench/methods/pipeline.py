@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from spark_bench.engine.cache import CompressedCache, StoredLayer
 from spark_bench.engine.prefill import LayerPrefill, Prefill, QueryStatsSpec
 from spark_bench.methods.base import ChannelMethod, EvictionMethod, gather_tokens
-from spark_bench.methods.channel.recovery import RECOVERY_MODES
+from spark_bench.methods.channel.recovery import RECOVERY_MODES, STATS
 from spark_bench.methods.channel.spark import GROUP_RATIOS, SALIENCY_MODES, VARIANTS, SparK
 from spark_bench.methods.channel.think import ThinK
 from spark_bench.methods.channel.value_norm import ValueNorm
@@ -38,7 +38,8 @@ EVICTION_METHODS = {
 CHANNEL_METHODS = {
     "think": lambda c: ThinK(ratio=c.ratio, window_size=c.window_size, keep_window=c.think_keep_window),
     "spark": lambda c: SparK(ratio=c.ratio, window_size=c.window_size, saliency=c.saliency, recovery=c.recovery,
-                             variant=c.variant, top_p=c.top_p, groups=c.groups, constant=c.constant, seed=c.seed),
+                             variant=c.variant, top_p=c.top_p, groups=c.groups, constant=c.constant, seed=c.seed,
+                             recovery_stats=c.recovery_stats),
 }
 DISPLAY = {"full": "Full", "snapkv": "SnapKV", "streamingllm": "StreamingLLM", "pyramidkv": "PyramidKV",
            "adasnapkv": "AdaSnapKV", "tova": "TOVA", "expected_attention": "ExpectedAttention",
@@ -47,7 +48,7 @@ METHOD_NAMES = ("full", *EVICTION_METHODS, *CHANNEL_METHODS,
                 *(f"{e}+{c}" for e, c in itertools.product(EVICTION_METHODS, CHANNEL_METHODS)))
 
 # option name → allowed values, for the options with a closed set (checked before anything runs)
-CHOICES = {"saliency": SALIENCY_MODES, "recovery": RECOVERY_MODES, "variant": VARIANTS, "pooling": ("max", "avg"),
+CHOICES = {"saliency": SALIENCY_MODES, "recovery": RECOVERY_MODES, "recovery_stats": STATS, "variant": VARIANTS, "pooling": ("max", "avg"),
            "pyramid_fallback": FALLBACKS}
 
 
@@ -57,7 +58,7 @@ class MethodConfig:
 
     ``budget``: KV size in tokens (≥ 1) or a fraction of the prompt (< 1). ``ratio``: key-channel pruning ratio
     λ; ``value_ratio``: value-channel pruning ratio λ_v (Appendix D, composes with any method). SparK options:
-    ``saliency``, ``recovery``, ``variant`` (``fixed``/``top_p``/``group``) with ``top_p`` and ``groups``,
+    ``saliency``, ``recovery`` (+ ``recovery_stats``), ``variant`` (``fixed``/``top_p``/``group``) with ``top_p`` and ``groups``,
     ``constant`` (for ``recovery=constant``) and ``seed`` (Gaussian/Exponential sampling).
     """
 
@@ -70,6 +71,7 @@ class MethodConfig:
     pooling: str = "max"
     saliency: str = "official"
     recovery: str = "degenerate"
+    recovery_stats: str = "pruned"
     variant: str = "fixed"
     top_p: float = 0.99
     groups: int = 4
@@ -118,6 +120,8 @@ class MethodConfig:
         """Row label in tables, e.g. ``SnapKV+SparK(0.8) @128``, ``SnapKV+SparK(0.5+0.3) @128``,
         ``SnapKV+SparK-p(0.99) @128``, ``SnapKV+SparK(0.8)[gaussian] @128``."""
         text = "+".join(DISPLAY[p] for p in self.name.split("+"))
+        if self.eviction_name == "pyramidkv" and self.pyramid_fallback != "original":
+            text = text.replace("PyramidKV", f"PyramidKV[{self.pyramid_fallback}]", 1)
         vr = f"+{self.value_ratio:g}" if self.value_ratio else ""
         if self.channel_name == "spark" and self.variant == "top_p":
             text += f"-p({self.top_p:g}{vr})"
@@ -129,6 +133,7 @@ class MethodConfig:
             text += f"+V({self.value_ratio:g})"
         if self.channel_name == "spark":
             tags = [t for t in (self.recovery if self.recovery != "degenerate" else "",
+                                "all-stats" if self.recovery_stats == "all" else "",
                                 "paper" if self.saliency == "paper" else "") if t]
             text += "".join(f"[{t}]" for t in tags)
         if self.eviction_name:

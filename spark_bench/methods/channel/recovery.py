@@ -6,9 +6,14 @@ key entry produces that score). Each object keeps exactly the metadata it needs 
 Score samplers (``recovery=``), statistics cached at prefill:
 
 * ``degenerate`` (default): ``w̃_tc = μ_pruned,t``, the mean saliency of the token's pruned channels (Eq. 12).
-* ``gaussian``: ``w̃_tc ~ N(μ_t, σ_t²)`` with ``μ_t, σ_t`` mean and std of the token's saliency over all channels
-  (Eqs. 13–14).
+* ``gaussian``: ``w̃_tc ~ N(μ_t, σ_t²)``.
 * ``exponential``: ``w̃_tc ~ Exp(1/μ_t)`` (mean ``μ_t``).
+
+The paper is ambiguous about ``μ_t, σ_t`` of the two stochastic samplers (``recovery_stats=``): Appendix A.2 says
+the statistics are computed "for the saliency scores of all channels within the pruned set", but its Eqs. 13–14
+average over all channels ``C_i``. ``pruned`` (default) follows the sentence — and keeps the samples on the scale
+of the pruned entries, as the paper's near-equal Normal/Exponential/Degenerate ablation requires; ``all`` follows
+the equations.
 
 Samples come from a generator seeded per layer (``seed``), drawn the same way at every decode step, so a token's
 recovered key never changes during decoding and runs are reproducible.
@@ -35,6 +40,7 @@ import torch
 from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
 
 SAMPLED = ("degenerate", "gaussian", "exponential")
+STATS = ("pruned", "all")
 CONSTANT = ("zero", "constant", "none")
 RECOVERY_MODES = SAMPLED + CONSTANT
 
@@ -64,8 +70,8 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
 
 @dataclass(frozen=True)
 class GaussianScores:
-    mu: torch.Tensor     # (B, H, S) mean saliency over all channels
-    sigma: torch.Tensor  # (B, H, S) std of the saliency over all channels
+    mu: torch.Tensor     # (B, H, S) mean saliency (pruned channels, or all: ``recovery_stats``)
+    sigma: torch.Tensor  # (B, H, S) std of the saliency over the same channels
     seed: int
 
     def scores(self, shape: torch.Size) -> torch.Tensor:
@@ -78,7 +84,7 @@ class GaussianScores:
 
 @dataclass(frozen=True)
 class ExponentialScores:
-    mu: torch.Tensor  # (B, H, S) mean saliency over all channels = the distribution's mean
+    mu: torch.Tensor  # (B, H, S) mean saliency (``recovery_stats``) = the distribution's mean
     seed: int
 
     def scores(self, shape: torch.Size) -> torch.Tensor:
@@ -89,12 +95,25 @@ class ExponentialScores:
         return tensor_bytes(self.mu)
 
 
-def build_sampler(mode: str, saliency: torch.Tensor, kept_mask: torch.Tensor, dtype: torch.dtype, seed: int):
+def saliency_moments(saliency: torch.Tensor, kept_mask: torch.Tensor, stats: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token mean and (population) std of the saliency over the pruned channels or over all channels."""
+    if stats not in STATS:
+        raise ValueError(f"recovery_stats must be one of {STATS}, got {stats!r}")
+    if stats == "all":
+        return saliency.mean(-1), saliency.std(-1, unbiased=False)
+    pruned = ~kept_mask
+    mu = mean_pruned_saliency(saliency, kept_mask)
+    var = ((saliency - mu.unsqueeze(-1)).pow(2) * pruned).sum(-1) / pruned.sum(-1).clamp(min=1)
+    return mu, var.sqrt()
+
+
+def build_sampler(mode: str, saliency: torch.Tensor, kept_mask: torch.Tensor, dtype: torch.dtype, seed: int,
+                  stats: str = "pruned"):
     if mode == "degenerate":
         return DegenerateScores(mean_pruned_saliency(saliency, kept_mask).to(dtype))
-    mu = saliency.mean(-1)
+    mu, sigma = saliency_moments(saliency, kept_mask, stats)
     if mode == "gaussian":
-        return GaussianScores(mu.to(dtype), saliency.std(-1, unbiased=False).to(dtype), seed)
+        return GaussianScores(mu.to(dtype), sigma.to(dtype), seed)
     if mode == "exponential":
         return ExponentialScores(mu.to(dtype), seed)
     raise ValueError(f"recovery must be one of {SAMPLED} for a sampled recovery, got {mode!r}")

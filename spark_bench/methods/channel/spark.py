@@ -29,7 +29,7 @@ import torch
 from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods.base import ChannelMethod
 from spark_bench.methods.channel.recovery import (
-    RECOVERY_MODES, AlignedKey, ConstantFill, SampledRecovery, SignedKey, build_sampler,
+    RECOVERY_MODES, STATS, AlignedKey, ConstantFill, SampledRecovery, SignedKey, build_sampler,
 )
 from spark_bench.storage.stores import UnstructuredStore
 
@@ -60,6 +60,7 @@ class SparK(ChannelMethod):
     groups: int = 4
     constant: float = 0.01
     seed: int = 0
+    recovery_stats: str = "pruned"
 
     def __post_init__(self):
         if self.saliency not in SALIENCY_MODES:
@@ -72,6 +73,8 @@ class SparK(ChannelMethod):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.groups not in GROUP_RATIOS:
             raise ValueError(f"groups must be one of {sorted(GROUP_RATIOS)}, got {self.groups}")
+        if self.recovery_stats not in STATS:
+            raise ValueError(f"recovery_stats must be one of {STATS}, got {self.recovery_stats!r}")
 
     def n_keep(self, head_dim: int) -> int:
         if self.saliency == "official":
@@ -109,7 +112,7 @@ class SparK(ChannelMethod):
             return ConstantFill(0.0)
         if self.recovery == "constant":
             return ConstantFill(self.constant)
-        sampler = build_sampler(self.recovery, saliency, mask, keys.dtype, seed)
+        sampler = build_sampler(self.recovery, saliency, mask, keys.dtype, seed, self.recovery_stats)
         mapping = SignedKey.build(keys, mask, stat) if self.saliency == "official" else AlignedKey(stat)
         return SampledRecovery(sampler, mapping)
 
