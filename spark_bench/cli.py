@@ -11,6 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from spark_bench.benchmarks.longbench import load_longbench
 from spark_bench.benchmarks.ruler import load_ruler
 from spark_bench.methods import MethodConfig
 from spark_bench.models import ModelConfig, load_model
@@ -45,11 +46,25 @@ def model_config(cfg: DictConfig) -> ModelConfig:
         raise ConfigError(f"model: {err}") from None
 
 
-def load_samples(cfg: DictConfig, lm):
+def _ruler(cfg: DictConfig, lm):
     b = cfg.benchmark
-    if b.name == "ruler":
-        return load_ruler(list(b.tasks), b.length, b.num_samples, b.seed, lm, b.get("max_new_tokens"))
-    raise ConfigError(f"benchmark.name={b.name!r} is not supported; valid: ruler")
+    return load_ruler(list(b.tasks), b.length, b.num_samples, b.seed, lm, b.get("max_new_tokens"))
+
+
+def _longbench(cfg: DictConfig, lm):
+    src = cfg.longbench
+    return load_longbench(list(cfg.benchmark.tasks), lm, data_dir=src.data_dir, num_samples=cfg.benchmark.num_samples,
+                          e=src.e, max_length=src.max_length, hub_path=src.hub_path, rouge_backend=src.rouge_backend)
+
+
+BENCHMARKS = {"ruler": _ruler, "longbench": _longbench}
+
+
+def load_samples(cfg: DictConfig, lm):
+    name = cfg.benchmark.name
+    if name not in BENCHMARKS:
+        raise ConfigError(f"benchmark.name={name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
+    return BENCHMARKS[name](cfg, lm)
 
 
 def run(cfg: DictConfig, out_dir: Path) -> None:

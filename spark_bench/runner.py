@@ -57,14 +57,15 @@ def run_sample(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> li
         cache, compress_s = pipeline.build_cache(prefill)
         kv_bytes = cache.nbytes()
         start = time.perf_counter()
-        tokens = greedy_decode(lm.model, cache, prefill.first_token, prefill.prompt_length,
-                               sample.max_new_tokens, lm.stop_token_ids)
+        tokens = greedy_decode(lm.model, cache, prefill.first_logits, prefill.prompt_length,
+                               sample.max_new_tokens, lm.stop_token_ids | set(sample.stop_token_ids),
+                               sample.min_new_tokens)
         decode_s = time.perf_counter() - start
         text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
         out.append(Prediction(
             config=pipeline.config.label, method=pipeline.config.to_dict(), task=sample.task, id=sample.id,
             prompt_length=prefill.prompt_length, prediction=text, tokens=tokens, answers=list(sample.answers),
-            score=score(sample.metric, text, sample.answers), kv_bytes=kv_bytes, kv_bytes_full=full_bytes,
+            score=score(sample.metric, text, sample.answers, **sample.metric_args), kv_bytes=kv_bytes, kv_bytes_full=full_bytes,
             key_ratio=round(1 - kept_key_fraction(cache), 6),
             prefill_s=prefill.seconds, compress_s=compress_s, decode_s=decode_s))
     return out

@@ -14,7 +14,7 @@ from spark_bench.methods.eviction.snapkv import SnapKV, window_attention
 
 def decode(lm, prefill, cfg: MethodConfig, n=6):
     cache, _ = Pipeline.from_config(cfg).build_cache(prefill)
-    return greedy_decode(lm.model, cache, prefill.first_token, prefill.prompt_length, n, frozenset())
+    return greedy_decode(lm.model, cache, prefill.first_logits, prefill.prompt_length, n, frozenset())
 
 
 def test_prefill_captures_post_rope_window_queries(tiny_lm):

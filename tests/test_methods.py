@@ -48,9 +48,9 @@ def test_method_matrix_end_to_end(tiny_lm, tiny_prefill, name, options):
     pipeline = Pipeline.from_config(cfg)
     compact, _ = pipeline.build_cache(tiny_prefill)
     reference, _ = pipeline.build_cache(tiny_prefill, attention="materialize")
-    tokens = greedy_decode(tiny_lm.model, compact, tiny_prefill.first_token, tiny_prefill.prompt_length, 4,
+    tokens = greedy_decode(tiny_lm.model, compact, tiny_prefill.first_logits, tiny_prefill.prompt_length, 4,
                            frozenset())
-    ref_tokens = greedy_decode(tiny_lm.model, reference, tiny_prefill.first_token, tiny_prefill.prompt_length, 4,
+    ref_tokens = greedy_decode(tiny_lm.model, reference, tiny_prefill.first_logits, tiny_prefill.prompt_length, 4,
                                frozenset())
     assert tokens == ref_tokens and len(tokens) == 4
     fresh, _ = pipeline.build_cache(tiny_prefill)

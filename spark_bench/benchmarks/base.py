@@ -9,7 +9,9 @@ from transformers import PreTrainedTokenizerBase
 
 @dataclass(frozen=True)
 class Sample:
-    """One prompt of one task, ready to prefill. ``metric`` names a function in :mod:`.metrics`."""
+    """One prompt of one task, ready to prefill. ``metric`` names a function in :mod:`.metrics`, called with
+    ``metric_args``; ``stop_token_ids`` add to the model's stop tokens (samsum stops at a newline) and the first
+    ``min_new_tokens`` tokens never stop."""
 
     task: str
     id: str
@@ -18,6 +20,9 @@ class Sample:
     max_new_tokens: int
     metric: str
     meta: dict = field(default_factory=dict)
+    metric_args: dict = field(default_factory=dict)
+    stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, answer_prefix: str = "",

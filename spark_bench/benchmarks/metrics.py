@@ -1,5 +1,8 @@
-"""Official per-task metrics. RULER: ``string_match_all`` / ``string_match_part`` (RULER ``eval/synthetic``),
-applied after RULER's ``postprocess_pred`` (strip, control characters to newlines)."""
+"""Official per-task metrics, one entry point :func:`score`.
+
+RULER: ``string_match_all`` / ``string_match_part`` (RULER ``eval/synthetic``) over all references at once, after
+RULER's ``postprocess_pred`` (strip, control characters to newlines). LongBench: per-reference metrics, max over
+the references (:mod:`spark_bench.benchmarks.longbench.metrics`)."""
 
 from __future__ import annotations
 
@@ -27,7 +30,12 @@ def string_match_part(prediction: str, answers: list[str] | tuple[str, ...]) -> 
 METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
 
 
-def score(metric: str, prediction: str, answers) -> float:
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}; valid: {sorted(METRICS)}")
-    return METRICS[metric](prediction, answers)
+def score(metric: str, prediction: str, answers, **metric_args) -> float:
+    """A sample's score on a 0–100 scale."""
+    from spark_bench.benchmarks.longbench.metrics import ANSWER_METRICS, longbench_score
+
+    if metric in METRICS:
+        return METRICS[metric](prediction, answers)
+    if metric in ANSWER_METRICS:
+        return longbench_score(metric, prediction, answers, **metric_args)
+    raise ValueError(f"unknown metric {metric!r}; valid: {sorted(METRICS) + sorted(ANSWER_METRICS)}")

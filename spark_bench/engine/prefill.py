@@ -51,8 +51,12 @@ class Prefill:
 
     layers: tuple[LayerPrefill, ...]
     prompt_length: int
-    first_token: int
+    first_logits: torch.Tensor  # (vocab,) float32 logits of the token after the prompt
     seconds: float
+
+    @property
+    def first_token(self) -> int:
+        return int(self.first_logits.argmax())
 
     def dense_kv_bytes(self) -> int:
         return sum(t.keys.numel() * t.keys.element_size() + t.values.numel() * t.values.element_size()
@@ -159,10 +163,10 @@ def run_prefill(model: nn.Module, input_ids: torch.Tensor, window: int,
     cache = DynamicCache(config=model.config)
     with capture_window_queries(model, window, query_stats, input_ids.shape[1]) as queries:
         out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    first_token = int(out.logits[0, -1].argmax())
+    first_logits = out.logits[0, -1].float()
     layers = tuple(
         LayerPrefill(layer.keys, layer.values, queries[i], *queries.get(("stats", i), (None, None)))
         for i, layer in enumerate(cache.layers)
     )
-    return Prefill(layers=layers, prompt_length=input_ids.shape[1], first_token=first_token,
+    return Prefill(layers=layers, prompt_length=input_ids.shape[1], first_logits=first_logits,
                    seconds=time.perf_counter() - start)

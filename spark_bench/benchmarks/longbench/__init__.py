@@ -1,0 +1,179 @@
+"""LongBench v1 (Bai et al., 2024): the 16 English tasks of the SparK paper, with the official protocol.
+
+Protocol (THUDM/LongBench ``pred.py`` and ``config/*.json``): the task's prompt template is filled from the record;
+if the tokenized prompt is longer than ``max_length`` it is cut in the middle (first and last ``max_length // 2``
+tokens, decoded and joined); the chat template is applied except for trec/triviaqa/samsum/lcc/repobench-p;
+greedy decoding for the task's ``max_new_tokens``; samsum also stops at a newline and generates at least one
+token. ``max_length`` defaults to the model's context minus 500 tokens (LongBench's ``model2maxlen`` convention:
+7500 for 8K models, 31500 for 32K).
+
+Data: ``longbench.data_dir`` holds the official ``<task>.jsonl`` files (``<task>_e.jsonl`` for LongBench-E);
+otherwise the records come from the hub parquet mirror ``longbench.hub_path`` (``Xnhyacinth/LongBench``, the one
+the official SparK code reads; the original ``THUDM/LongBench`` needs a loading script recent ``datasets`` no
+longer runs).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from spark_bench.benchmarks.base import Sample, encode_prompt
+from spark_bench.models import LoadedModel
+
+_QA_MULTI = ("Answer the question based on the given passages. Only give me the answer and do not output any other "
+             "words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given "
+             "passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:")
+_QASPER_RULE = ("as concisely as you can, using a single phrase or sentence if possible. If the question cannot be "
+                "answered based on the information in the article, write \"unanswerable\". If the question is a "
+                "yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.")
+_CODE = "Please complete the code given below. \n{context}"
+
+
+@dataclass(frozen=True)
+class LongBenchTask:
+    category: str
+    prompt: str
+    max_new_tokens: int
+    metric: str
+    chat: bool = True         # official: no chat template for few-shot and code tasks
+    first_line: bool = False  # official scorer keeps the first line (trec, triviaqa, samsum)
+
+
+# official config/dataset2prompt.json and dataset2maxlen.json, eval.py dataset2metric; paper column order
+TASKS = {
+    "narrativeqa": LongBenchTask(
+        "Single-Doc QA",
+        "You are given a story, which can be either a novel or a movie script, and a question. Answer the question "
+        "asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: "
+        "{context}\n\nNow, answer the question based on the story asconcisely as you can, using a single phrase if "
+        "possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:", 128, "qa_f1"),
+    "qasper": LongBenchTask(
+        "Single-Doc QA",
+        "You are given a scientific article and a question. Answer the question " + _QASPER_RULE
+        + "\n\nArticle: {context}\n\n Answer the question based on the above article " + _QASPER_RULE
+        + "\n\nQuestion: {input}\n\nAnswer:", 128, "qa_f1"),
+    "multifieldqa_en": LongBenchTask(
+        "Single-Doc QA",
+        "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on "
+        "the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
+        64, "qa_f1"),
+    "hotpotqa": LongBenchTask("Multi-Doc QA", _QA_MULTI, 32, "qa_f1"),
+    "2wikimqa": LongBenchTask("Multi-Doc QA", _QA_MULTI, 32, "qa_f1"),
+    "musique": LongBenchTask("Multi-Doc QA", _QA_MULTI, 32, "qa_f1"),
+    "gov_report": LongBenchTask(
+        "Summarization",
+        "You are given a report by a government agency. Write a one-page summary of the report.\n\nReport:\n"
+        "{context}\n\nNow, write a one-page summary of the report.\n\nSummary:", 512, "rouge"),
+    "qmsum": LongBenchTask(
+        "Summarization",
+        "You are given a meeting transcript and a query containing a question or instruction. Answer the query in "
+        "one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting "
+        "transcript in one or more sentences.\n\nQuery: {input}\nAnswer:", 512, "rouge"),
+    "multi_news": LongBenchTask(
+        "Summarization",
+        "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\nNow, "
+        "write a one-page summary of all the news.\n\nSummary:", 512, "rouge"),
+    "trec": LongBenchTask(
+        "Few-shot",
+        "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n"
+        "{input}", 64, "classification", chat=False, first_line=True),
+    "triviaqa": LongBenchTask(
+        "Few-shot",
+        "Answer the question based on the given passage. Only give me the answer and do not output any other "
+        "words. The following are some examples.\n\n{context}\n\n{input}", 32, "qa_f1", chat=False,
+        first_line=True),
+    "samsum": LongBenchTask(
+        "Few-shot",
+        "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n"
+        "{input}", 128, "rouge", chat=False, first_line=True),
+    "passage_count": LongBenchTask(
+        "Synthetic",
+        "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully "
+        "read these paragraphs and determine how many unique paragraphs there are after removing duplicates. In "
+        "other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\nPlease enter the final "
+        "count of unique paragraphs after removing duplicates. The output format should only contain the number, "
+        "such as 1, 2, 3, and so on.\n\nThe final answer is: ", 32, "count"),
+    "passage_retrieval_en": LongBenchTask(
+        "Synthetic",
+        "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the "
+        "abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of "
+        "the paragraph that the abstract is from. The answer format must be like \"Paragraph 1\", \"Paragraph 2\", "
+        "etc.\n\nThe answer is: ", 32, "retrieval"),
+    "lcc": LongBenchTask("Code", _CODE + "Next line of code:\n", 64, "code_sim", chat=False),
+    "repobench-p": LongBenchTask("Code", _CODE + "{input}Next line of code:\n", 64, "code_sim", chat=False),
+}
+LONGBENCH_E_TASKS = ("qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec",
+                     "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p")
+REQUIRED_FIELDS = ("input", "context", "answers")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+            missing = [k for k in REQUIRED_FIELDS if k not in record] if isinstance(record, dict) else REQUIRED_FIELDS
+            if missing:
+                raise ValueError(f"{path}:{lineno}: LongBench record lacks field(s) {list(missing)}")
+            if not isinstance(record["answers"], list):
+                raise ValueError(f"{path}:{lineno}: 'answers' must be a list, got {type(record['answers']).__name__}")
+            records.append(record)
+    return records
+
+
+def read_records(task: str, data_dir: str | None, e: bool = False, hub_path: str = "Xnhyacinth/LongBench") -> list[dict]:
+    """The task's records from ``data_dir/<task>[_e].jsonl``, or from the hub mirror when ``data_dir`` is None."""
+    name = f"{task}_e" if e else task
+    if data_dir is None:
+        from datasets import load_dataset
+
+        return [dict(r) for r in load_dataset(hub_path, name, split="test")]
+    path = Path(data_dir) / f"{name}.jsonl"
+    if not path.is_file():
+        found = sorted(p.name for p in Path(data_dir).glob("*.jsonl")) if Path(data_dir).is_dir() else []
+        raise FileNotFoundError(f"longbench.data_dir: no {path.name} in {data_dir} "
+                                f"({'found: ' + ', '.join(found) if found else 'no .jsonl files there'})")
+    return _read_jsonl(path)
+
+
+def build_sample(task: str, record: dict, index: int, lm: LoadedModel, max_length: int,
+                 rouge_backend: str = "rouge") -> Sample:
+    spec, tok = TASKS[task], lm.tokenizer
+    prompt = spec.prompt.format(**record)
+    ids = tok(prompt)["input_ids"]
+    if len(ids) > max_length:  # official middle truncation
+        half = max_length // 2
+        prompt = tok.decode(ids[:half], skip_special_tokens=True) + tok.decode(ids[-half:], skip_special_tokens=True)
+    input_ids = encode_prompt(tok, prompt, chat_template=lm.config.chat_template and spec.chat)
+    stops = (tok.encode("\n", add_special_tokens=False)[-1],) if task == "samsum" else ()
+    metric_args = {"first_line": spec.first_line, "rouge_backend": rouge_backend}
+    if spec.metric == "classification":
+        metric_args["all_classes"] = list(record.get("all_classes") or [])
+    return Sample(task=task, id=str(record.get("_id", f"{task}-{index}")), input_ids=tuple(input_ids),
+                  answers=tuple(str(a) for a in record["answers"]), max_new_tokens=spec.max_new_tokens,
+                  metric=spec.metric, meta={"length": record.get("length"), "truncated": len(ids) > max_length},
+                  metric_args=metric_args, stop_token_ids=stops, min_new_tokens=1 if task == "samsum" else 0)
+
+
+def load_longbench(tasks, lm: LoadedModel, data_dir: str | None = None, num_samples: int | None = None,
+                   e: bool = False, max_length: int | None = None, hub_path: str = "Xnhyacinth/LongBench",
+                   rouge_backend: str = "rouge") -> list[Sample]:
+    valid = LONGBENCH_E_TASKS if e else tuple(TASKS)
+    unknown = [t for t in tasks if t not in valid]
+    if unknown:
+        raise ValueError(f"unknown LongBench{'-E' if e else ''} task(s) {unknown}; valid: {', '.join(valid)}")
+    if data_dir is not None and not Path(data_dir).is_dir():
+        raise FileNotFoundError(f"longbench.data_dir={data_dir} is not a directory")
+    limit = max_length or lm.config.max_length - 500
+    samples = []
+    for task in tasks:
+        records = read_records(task, data_dir, e, hub_path)[:num_samples]
+        samples += [build_sample(task, r, i, lm, limit, rouge_backend) for i, r in enumerate(records)]
+    return samples
