@@ -11,6 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from spark_bench.benchmarks.export import read_samples, write_samples
 from spark_bench.benchmarks.longbench import load_longbench
 from spark_bench.benchmarks.ruler import load_ruler
 from spark_bench.methods import MethodConfig
@@ -47,8 +48,9 @@ def model_config(cfg: DictConfig) -> ModelConfig:
 
 
 def _ruler(cfg: DictConfig, lm):
-    b = cfg.benchmark
-    return load_ruler(list(b.tasks), b.length, b.num_samples, b.seed, lm, b.get("max_new_tokens"))
+    b, src = cfg.benchmark, cfg.ruler
+    return load_ruler(list(b.tasks), b.length, b.num_samples, b.seed, lm, b.get("max_new_tokens"),
+                      essay_file=src.essay_file, squad_file=src.squad_file, hotpotqa_file=src.hotpotqa_file)
 
 
 def _longbench(cfg: DictConfig, lm):
@@ -61,6 +63,8 @@ BENCHMARKS = {"ruler": _ruler, "longbench": _longbench}
 
 
 def load_samples(cfg: DictConfig, lm):
+    if cfg.benchmark.get("data_file"):  # samples exported by spark-bench-export: rerun exactly
+        return read_samples(cfg.benchmark.data_file)
     name = cfg.benchmark.name
     if name not in BENCHMARKS:
         raise ConfigError(f"benchmark.name={name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
@@ -98,6 +102,24 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     _hydra_main()
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def _hydra_export(cfg: DictConfig) -> None:
+    """Generate (or load) the benchmark's samples with the model's tokenizer and write them as JSONL."""
+    try:
+        lm = load_model(model_config(cfg), cfg.device)
+        samples = load_samples(cfg, lm)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"spark-bench-export: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    path = Path(cfg.get("export_path") or Path(HydraConfig.get().runtime.output_dir) / "samples.jsonl")
+    write_samples(samples, path, lm.tokenizer)
+    print(f"spark-bench-export: {len(samples)} samples of {cfg.benchmark.name} → {path}")
+
+
+def export() -> None:
+    _hydra_export()
 
 
 if __name__ == "__main__":

@@ -1,23 +1,50 @@
-"""RULER (Hsieh et al., 2024) tasks generated offline for any tokenizer and target length."""
+"""RULER (Hsieh et al., 2024): all 13 tasks generated for any tokenizer and target length.
+
+One module per task family: ``niah`` (8 needle tasks), ``variable_tracking`` (vt), ``common_words`` (cwe),
+``freq_words`` (fwe), ``qa`` (qa_1 SQuAD, qa_2 HotpotQA). Everything but qa is generated offline; qa needs the
+SQuAD/HotpotQA files or the hub, and is skipped with a message when neither is available.
+"""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from spark_bench.benchmarks.base import Sample
+from spark_bench.benchmarks.ruler.common_words import generate_cwe
+from spark_bench.benchmarks.ruler.freq_words import generate_fwe
 from spark_bench.benchmarks.ruler.niah import NIAH_TASKS, generate_niah
+from spark_bench.benchmarks.ruler.qa import QADataUnavailable, generate_qa, load_qa
+from spark_bench.benchmarks.ruler.variable_tracking import generate_vt
 from spark_bench.models import LoadedModel
 
-RULER_TASKS = tuple(NIAH_TASKS)
+QA_TASKS = {"qa_1": "squad", "qa_2": "hotpotqa"}
+RULER_TASKS = (*NIAH_TASKS, "vt", "cwe", "fwe", *QA_TASKS)
 
 
 def load_ruler(tasks, length: int, num_samples: int, seed: int, lm: LoadedModel,
-               max_new_tokens: int | None = None) -> list[Sample]:
+               max_new_tokens: int | None = None, essay_file: str | None = None, squad_file: str | None = None,
+               hotpotqa_file: str | None = None, log: Callable[[str], None] = print) -> list[Sample]:
     unknown = [t for t in tasks if t not in RULER_TASKS]
     if unknown:
         raise ValueError(f"unknown RULER task(s) {unknown}; valid: {', '.join(RULER_TASKS)}")
     if length > lm.config.max_length:
         raise ValueError(f"benchmark.length={length} exceeds model {lm.config.name} max_length={lm.config.max_length}")
+    common = dict(tokenizer=lm.tokenizer, length=length, num_samples=num_samples, seed=seed,
+                  chat_template=lm.config.chat_template, max_new_tokens=max_new_tokens)
+    qa_files = {"squad": squad_file, "hotpotqa": hotpotqa_file}
     samples: list[Sample] = []
     for task in tasks:
-        samples += generate_niah(task, lm.tokenizer, length, num_samples, seed,
-                                 chat_template=lm.config.chat_template, max_new_tokens=max_new_tokens)
+        if task in NIAH_TASKS:
+            samples += generate_niah(task, essay_file=essay_file, **common)
+        elif task in QA_TASKS:
+            dataset = QA_TASKS[task]
+            try:
+                source = load_qa(dataset, qa_files[dataset])
+            except QADataUnavailable as err:
+                log(f"spark-bench: skipping RULER {task}: no {dataset} data (set ruler.{dataset}_file= to the "
+                    f"official file, or run with network for the hub copy) [{err}]")
+                continue
+            samples += generate_qa(task, dataset, source, **common)
+        else:
+            samples += {"vt": generate_vt, "cwe": generate_cwe, "fwe": generate_fwe}[task](**common)
     return samples

@@ -19,7 +19,8 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from spark_bench.benchmarks.base import Sample, encode_prompt
-from spark_bench.benchmarks.ruler.haystack import ESSAY_CORPUS, NOISE, essay_words, split_sentences
+from spark_bench.benchmarks.ruler.fit import largest_fitting
+from spark_bench.benchmarks.ruler.haystack import NOISE, corpus_name, essay_words, split_sentences
 
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
             "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
@@ -72,7 +73,8 @@ def _random_item(kind: str, rng: random.Random) -> str:
     raise ValueError(f"unknown needle type {kind!r}")
 
 
-def _texts(task: NiahTask, num_haystack: int, rng: random.Random) -> tuple[str, str, list[str]]:
+def _texts(task: NiahTask, num_haystack: int, rng: random.Random,
+           essay_file: str | None = None) -> tuple[str, str, list[str]]:
     """(user text, answer prefix, answers) for one sample with ``num_haystack`` haystack units."""
     num_keys = max(task.num_keys, task.num_queries)
     keys, values, needles = [], [], []
@@ -83,7 +85,7 @@ def _texts(task: NiahTask, num_haystack: int, rng: random.Random) -> tuple[str, 
     rng.shuffle(needles)
 
     if task.haystack == "essay":
-        sentences = split_sentences(" ".join(essay_words()[:num_haystack]))
+        sentences = split_sentences(" ".join(essay_words(essay_file)[:num_haystack]))
         cuts = [0] + sorted(int(len(sentences) * d / 100) for d in rng.sample(DEPTHS, len(needles)))
         cuts.append(len(sentences))
         parts = []
@@ -123,28 +125,22 @@ def _increment(task: NiahTask, length: int) -> int:
 
 
 def generate_niah(name: str, tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int,
-                  chat_template: bool = True, max_new_tokens: int | None = None) -> list[Sample]:
+                  chat_template: bool = True, max_new_tokens: int | None = None,
+                 essay_file: str | None = None) -> list[Sample]:
     """``num_samples`` samples of task ``name`` whose prompt + generation budget fits in ``length`` tokens."""
     task = NIAH_TASKS[name]
     step = _increment(task, length)
     budget = length - TOKENS_TO_GENERATE
 
     def encode(num_haystack: int, rng: random.Random):
-        text, prefix, answers = _texts(task, num_haystack, rng)
+        text, prefix, answers = _texts(task, num_haystack, rng, essay_file)
         return encode_prompt(tokenizer, text, prefix, chat_template), answers
 
     def fits(units: int) -> bool:
         return len(encode(units * step, random.Random(f"{seed}-{name}-probe"))[0]) <= budget
 
-    # largest haystack (in RULER increments) whose probe prompt fits: exponential then binary search
-    limit = len(essay_words()) // step if task.haystack == "essay" else 1 << 20
-    lo, hi = 0, 1
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    # largest haystack (in RULER increments) whose probe prompt fits
+    lo = largest_fitting(fits, len(essay_words(essay_file)) // step if task.haystack == "essay" else 1 << 20)
     if lo == 0:
         raise ValueError(f"RULER {name}: length {length} is too short for even the smallest haystack")
 
@@ -159,6 +155,6 @@ def generate_niah(name: str, tokenizer: PreTrainedTokenizerBase, length: int, nu
             units -= 1
         samples.append(Sample(task=name, id=f"{name}-{index}", input_ids=tuple(ids), answers=tuple(answers),
                               max_new_tokens=max_new_tokens or TOKENS_TO_GENERATE, metric="string_match_all",
-                              meta={"haystack": ESSAY_CORPUS if task.haystack == "essay" else task.haystack,
+                              meta={"haystack": corpus_name(essay_file) if task.haystack == "essay" else task.haystack,
                                     "haystack_units": units * step}))
     return samples

@@ -1,0 +1,27 @@
+"""Fitting a RULER haystack to a target length with the model's own tokenizer (RULER's binary searches)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 20) -> int:
+    """Largest ``n`` in ``1 … limit`` with ``fits(n)`` (``fits`` monotone: true up to some point), or 0.
+
+    Exponential growth then binary search, as RULER's generators search their haystack sizes."""
+    lo, hi = 0, 1
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def make_sample(task: str, index: int, ids: list[int], answers, tokens_to_generate: int,
+                max_new_tokens: int | None, metric: str, **meta) -> "Sample":
+    from spark_bench.benchmarks.base import Sample
+
+    return Sample(task=task, id=f"{task}-{index}", input_ids=tuple(ids), answers=tuple(answers),
+                  max_new_tokens=max_new_tokens or tokens_to_generate, metric=metric, meta=meta)

@@ -1,0 +1,96 @@
+"""RULER ``vt`` (variable tracking, ``scripts/data/synthetic/variable_tracking.py``): 1 chain of 4 hops.
+
+A chain ``VAR A = 12345, VAR B = VAR A, …`` (5-letter upper-case names, a random 5-digit value) is hidden at random
+lines of the noise haystack; the model lists every variable holding the value. As in RULER, a one-shot example
+built the same way (3-letter names, value 12345, ≤ 500 tokens) is prepended, its names and value then
+re-randomised; the haystack grows in steps of 10 noise sentences (5 below 4K tokens).
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+from transformers import PreTrainedTokenizerBase
+
+from spark_bench.benchmarks.base import encode_prompt
+from spark_bench.benchmarks.ruler.fit import largest_fitting, make_sample
+from spark_bench.benchmarks.ruler.haystack import NOISE
+
+TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+            "Question: Find all variables that are assigned the value {query} in the text above.")
+ANSWER_PREFIX = (" Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables "
+                 "are assigned the value {query}, they are: ")
+TOKENS_TO_GENERATE = 30
+NUM_CHAINS, NUM_HOPS = 1, 4
+
+
+def _chains(rng: random.Random, is_icl: bool) -> tuple[list[list[str]], list[list[str]]]:
+    k = 3 if is_icl else 5
+    names: list[str] = []
+    while len(set(names)) < NUM_CHAINS * (NUM_HOPS + 1):
+        names.append("".join(rng.choices(string.ascii_uppercase, k=k)))
+    names = list(dict.fromkeys(names))
+    variables, chains = [], []
+    for c in range(NUM_CHAINS):
+        v = names[c * (NUM_HOPS + 1):(c + 1) * (NUM_HOPS + 1)]
+        value = "12345" if is_icl else str(rng.randint(10000, 99998))
+        chain = [f"VAR {v[0]} = {value}"] + [f"VAR {v[j + 1]} = VAR {v[j]} " for j in range(NUM_HOPS)]
+        variables.append(v)
+        chains.append(chain)
+    return variables, chains
+
+
+def _text(num_noises: int, rng: random.Random, is_icl: bool) -> tuple[str, str, list[str]]:
+    variables, chains = _chains(rng, is_icl)
+    value = chains[0][0].split("=")[-1].strip()
+    sentences = [NOISE] * num_noises
+    for chain in chains:  # each hop at a random line, in chain order
+        positions = sorted(rng.sample(range(len(sentences)), len(chain)))
+        for offset, (pos, line) in enumerate(zip(positions, chain)):
+            sentences.insert(pos + offset, line)
+    context = "\n".join(sentences).replace(". \n", ".\n")
+    num_v = NUM_HOPS + 1
+    return (TEMPLATE.format(context=context, query=value),
+            ANSWER_PREFIX.format(num_v=num_v, query=value), variables[0])
+
+
+def _icl_example(tokenizer: PreTrainedTokenizerBase, rng: random.Random) -> str:
+    """RULER's one-shot example: ≤ 500 tokens, answer appended, then names and value re-randomised."""
+    def fits(units: int) -> bool:
+        text, prefix, _ = _text(units * 5, random.Random(rng.random()), True)
+        return len(tokenizer(text + prefix)["input_ids"]) <= 500
+
+    units = max(largest_fitting(fits, 1000), 1)
+    text, prefix, answer = _text(units * 5, rng, True)
+    example = text + prefix + " " + " ".join(answer) + "\n"
+    for name in example.strip().split()[-NUM_HOPS - 1:]:
+        example = example.replace(name, "".join(rng.choices(string.ascii_uppercase, k=len(name))))
+    return example.replace("12345", str(rng.randint(10000, 99998)))
+
+
+def generate_vt(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int,
+                chat_template: bool = True, max_new_tokens: int | None = None):
+    step = 10 if length >= 4096 else 5
+    budget = length - TOKENS_TO_GENERATE
+    icl = _icl_example(tokenizer, random.Random(f"{seed}-vt-icl"))
+
+    def encode(units: int, rng: random.Random):
+        text, prefix, answer = _text(units * step, rng, False)
+        return encode_prompt(tokenizer, icl + text, prefix, chat_template), answer
+
+    units = largest_fitting(lambda u: len(encode(u, random.Random(f"{seed}-vt-probe"))[0]) <= budget)
+    if units == 0:
+        raise ValueError(f"RULER vt: length {length} is too short for the one-shot example and one step")
+    samples = []
+    for index in range(num_samples):
+        used = units
+        while True:
+            ids, answer = encode(used, random.Random(f"{seed}-vt-{index}"))
+            if len(ids) <= budget or used == 1:
+                break
+            used -= 1
+        samples.append(make_sample("vt", index, ids, answer, TOKENS_TO_GENERATE, max_new_tokens,
+                                   "string_match_all", haystack="noise", haystack_units=used * step))
+    return samples
+

@@ -1,0 +1,122 @@
+"""RULER generators: determinism, length fit, answers present, task-specific structure, QA sources, export."""
+
+import collections
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from spark_bench.benchmarks.export import read_samples, write_samples
+from spark_bench.benchmarks.ruler import RULER_TASKS, load_ruler
+from spark_bench.benchmarks.ruler import qa as qa_module
+from spark_bench.benchmarks.ruler.freq_words import zeta
+
+FIXTURES = Path(__file__).parent / "fixtures" / "ruler"
+OFFLINE = [t for t in RULER_TASKS if not t.startswith("qa")]
+TOKENS = {"vt": 30, "cwe": 120, "fwe": 50}
+
+
+@pytest.mark.parametrize("task", OFFLINE)
+def test_offline_task_fits_length_is_seeded_and_holds_its_answers(tiny_lm, task):
+    first = load_ruler([task], 1536, 2, 5, tiny_lm)
+    assert [s.input_ids for s in first] == [s.input_ids for s in load_ruler([task], 1536, 2, 5, tiny_lm)]
+    assert first[0].input_ids != load_ruler([task], 1536, 1, 6, tiny_lm)[0].input_ids
+    for s in first:
+        assert len(s.input_ids) + TOKENS.get(task, 128) <= 1536
+        assert len(s.input_ids) > 700  # the haystack really grew toward the target
+        text = tiny_lm.tokenizer.decode(s.input_ids)
+        assert all(a in text for a in s.answers) and s.metric == "string_match_all"
+
+
+def test_vt_chain_and_one_shot_example(tiny_lm):
+    (s,) = load_ruler(["vt"], 1024, 1, 1, tiny_lm)
+    text = tiny_lm.tokenizer.decode(s.input_ids)
+    a = s.answers
+    assert len(a) == 5 and all(re.fullmatch(r"[A-Z]{5}", v) for v in a)
+    value = re.search(rf"VAR {a[0]} = (\d{{5}})", text).group(1)
+    for prev, cur in zip(a, a[1:]):  # the chain, hop by hop
+        assert f"VAR {cur} = VAR {prev}" in text
+    assert text.count("Memorize and track the chain") == 2  # one-shot example + the question
+    assert f"assigned the value {value}, they are:" in text
+
+
+def test_cwe_common_words_repeat_as_configured(tiny_lm):
+    (s,) = load_ruler(["cwe"], 1024, 1, 2, tiny_lm)
+    text = tiny_lm.tokenizer.decode(s.input_ids)
+    question = text[text.rindex("Below is a numbered list"):]
+    counts = collections.Counter(re.findall(r"\d+\. ([^\s]+)", question.split("\nQuestion:")[0]))
+    assert len(s.answers) == 10 and all(counts[w] == 6 for w in s.answers)  # below 4K: 6 vs 1
+    assert max(c for w, c in counts.items() if w not in s.answers) == 1
+
+
+def test_fwe_zipf_counts():
+    assert zeta(2.0) == pytest.approx(3.141592653589793 ** 2 / 6, abs=1e-10)
+
+
+def test_fwe_answers_are_the_most_frequent_words(tiny_lm):
+    (s,) = load_ruler(["fwe"], 1024, 1, 3, tiny_lm)
+    text = tiny_lm.tokenizer.decode(s.input_ids)
+    coded = text[text.index("coded words. ") + 13:text.index("\nQuestion:")].split()
+    ranked = [w for w, _ in collections.Counter(coded).most_common() if w != "..."]
+    assert list(s.answers) == ranked[:3]
+
+
+def test_qa_from_official_files(tiny_lm):
+    samples = load_ruler(["qa_1", "qa_2"], 512, 2, 0, tiny_lm, squad_file=str(FIXTURES / "squad_dev.json"),
+                         hotpotqa_file=str(FIXTURES / "hotpot_dev.json"))
+    assert [s.task for s in samples] == ["qa_1", "qa_1", "qa_2", "qa_2"]
+    for s in samples:
+        text = tiny_lm.tokenizer.decode(s.input_ids)
+        assert s.metric == "string_match_part" and "Document 1:" in text
+        assert s.answers[0] in text or s.task == "qa_2"
+    assert "Who painted it pink" not in tiny_lm.tokenizer.decode(samples[0].input_ids)  # unanswerable dropped
+
+
+def test_qa_without_data_is_skipped_with_a_message(tiny_lm, monkeypatch):
+    def offline(dataset):
+        raise ConnectionError("hub unreachable")
+
+    monkeypatch.setattr(qa_module, "_from_hub", offline)
+    messages = []
+    samples = load_ruler(["niah_single_1", "qa_1"], 512, 1, 0, tiny_lm, log=messages.append)
+    assert [s.task for s in samples] == ["niah_single_1"]
+    assert len(messages) == 1 and "skipping RULER qa_1" in messages[0] and "ruler.squad_file" in messages[0]
+    with pytest.raises(FileNotFoundError, match="ruler.squad_file: /nope.json does not exist"):
+        load_ruler(["qa_1"], 512, 1, 0, tiny_lm, squad_file="/nope.json")
+
+
+def test_essay_file_is_used_and_recorded(tiny_lm, tmp_path):
+    essays = tmp_path / "PaulGrahamEssays.json"
+    essays.write_text(json.dumps({"text": "Startups are hard. Founders matter most. " * 400}))
+    (s,) = load_ruler(["niah_single_2"], 1200, 1, 0, tiny_lm, essay_file=str(essays))
+    assert s.meta["haystack"] == "PaulGrahamEssays.json"
+    assert "Founders matter most" in tiny_lm.tokenizer.decode(s.input_ids)
+
+
+def test_export_roundtrip(tiny_lm, tmp_path):
+    samples = load_ruler(["niah_single_1", "vt"], 1024, 1, 0, tiny_lm)
+    path = tmp_path / "ruler.jsonl"
+    write_samples(samples, path, tiny_lm.tokenizer)
+    assert read_samples(path) == samples
+    assert "prompt" in json.loads(path.read_text().splitlines()[0])
+    path.write_text(path.read_text() + '{"task": "x"}\n')
+    with pytest.raises(ValueError, match=r"ruler.jsonl:3: sample lacks field"):
+        read_samples(path)
+
+
+def test_cli_ruler_all_tasks_end_to_end(tmp_path):
+    """``spark-bench benchmark=ruler_all`` on tiny-llama: every offline task runs; qa is skipped with a message."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "benchmark=ruler_all", "benchmark.length=1536",
+         "benchmark.num_samples=1", "benchmark.max_new_tokens=4", "method=snapkv+spark", "ratio=0.8", "budget=0.5",
+         f"output_root={tmp_path}", "run=ruler"], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "skipping RULER qa_1" in out.stdout and "skipping RULER qa_2" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "ruler" / "predictions.jsonl").read_text().splitlines()]
+    assert sorted(r["task"] for r in rows) == sorted(OFFLINE)
