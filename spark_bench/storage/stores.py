@@ -40,6 +40,8 @@ class Recovery(Protocol):
 
     def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
+    def fast_terms(self, queries: torch.Tensor): ...  # FastTerms for the compact kernel, or why not (a string)
+
     def nbytes(self) -> int: ...
 
 
@@ -96,11 +98,15 @@ class UnstructuredStore:
     mask_bits: torch.Tensor
     shape: tuple[int, int, int, int]
     recovery: Recovery
+    row_kept: int | None = None  # channels every token keeps, or None when tokens differ (SparK-p / -g)
 
     @classmethod
     def from_mask(cls, data: torch.Tensor, kept_mask: torch.Tensor, recovery: Recovery) -> "UnstructuredStore":
+        per_row = kept_mask.sum(-1)
+        fixed = int(per_row.flatten()[0]) if per_row.numel() and bool((per_row == per_row.flatten()[0]).all()) \
+            else None
         return cls(kept=data.masked_select(kept_mask), mask_bits=pack_bits(kept_mask), shape=tuple(data.shape),
-                   recovery=recovery)
+                   recovery=recovery, row_kept=fixed)
 
     @property
     def length(self) -> int:
@@ -122,6 +128,12 @@ class UnstructuredStore:
         return self.recovery.fill(mask, self.kept.dtype).masked_scatter(mask, self.kept)
 
     def logits(self, queries: torch.Tensor) -> torch.Tensor:
+        """Compact kernel (:mod:`.fast_logits`) when supported, else rebuild the keys and multiply."""
+        from spark_bench.storage.fast_logits import compact_logits
+
+        return compact_logits(self, queries, self.reference_logits)
+
+    def reference_logits(self, queries: torch.Tensor) -> torch.Tensor:
         return dense_logits(queries, self.materialize())
 
     def nbytes(self) -> int:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
+from spark_bench.storage.fast_logits import FastTerms
 
 SAMPLED = ("degenerate", "gaussian", "exponential")
 STATS = ("pruned", "all")
@@ -163,6 +164,20 @@ class SampledRecovery:
     def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.mapping.keys(self.sampler.scores(kept_mask.shape), kept_mask).to(dtype)
 
+    def fast_terms(self, queries: torch.Tensor) -> FastTerms | str:
+        """Degenerate recovery folds into per-token work: ``μ_t·(Σ_c u_c − Σ_{kept} u_c)`` with ``u = q/q̄``
+        (paper) or ``sqrt(μ_t)·Σ_{pruned} sign·q_c/sqrt(‖q_c‖)`` (official). Sampled ones draw per entry."""
+        if not isinstance(self.sampler, DegenerateScores):
+            return f"{type(self.sampler).__name__} draws a random score per pruned entry"
+        q = queries.float()
+        if isinstance(self.mapping, SignedKey):
+            v = q / self.mapping.query_norm.unsqueeze(-2).sqrt()
+            return FastTerms("signed", v, v.sum(-1), mu=self.sampler.mu,
+                             signs=self.mapping.sign_bits, n_signs=self.mapping.n_signs)
+        q_bar = self.mapping.mean_query.unsqueeze(-2)
+        u = torch.where(q_bar == 0, torch.zeros_like(q), q / torch.where(q_bar == 0, torch.ones_like(q_bar), q_bar))
+        return FastTerms("aligned", u, u.sum(-1), mu=self.sampler.mu)
+
     def nbytes(self) -> int:
         return self.sampler.nbytes() + self.mapping.nbytes()
 
@@ -175,6 +190,11 @@ class ConstantFill:
 
     def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.full(kept_mask.shape, self.value, dtype=dtype, device=kept_mask.device)
+
+    def fast_terms(self, queries: torch.Tensor) -> FastTerms:
+        """``value · (Σ_c q_c − Σ_{kept} q_c)``."""
+        q = queries.float()
+        return FastTerms("constant", q, q.sum(-1), fill=self.value)
 
     def nbytes(self) -> int:
         return 0
