@@ -1,10 +1,11 @@
-# spark-bench: `make demo` (offline default sweep on SmolLM2-135M) and `make test` (pytest), both from scratch.
+# spark-bench: `make demo` (offline default sweep on SmolLM2-135M) and `make test` (pytest), both from scratch;
+# `make bench` writes the speed/memory figures to results/bench/.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,6 +20,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# Speed / memory figures → results/bench/*.json + results/bench/summary.md (never timed in unit tests)
+bench: $(STAMP)
+	$(BIN)/python scripts/bench/bytes.py
+	$(BIN)/python scripts/bench/attention.py
+	$(BIN)/spark-bench-memory model=llama3.1-8b sweep=memory memory.out=results/bench/memory.json
+	$(BIN)/python scripts/bench/sweep.py
+	$(BIN)/python scripts/bench/summary.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,7 +1,17 @@
-"""``spark-bench``: the Hydra front end of :mod:`spark_bench.runner`."""
+"""``spark-bench`` (run a benchmark × method sweep), ``spark-bench-export`` (write the samples),
+``spark-bench-memory`` (memory planner) and ``spark-bench-merge`` (join shards): the Hydra front ends of
+:mod:`spark_bench.runner`.
+
+Every input is checked before the model loads (:func:`validate`): a bad name, value, path or data record gives
+one line on stderr naming the key or file, exit code 2, and nothing written (``hydra.verbose=true`` shows the
+traceback). Hydra's own bookkeeping goes to a scratch directory; results go to ``<output_root>/<run>/``
+(``/<job number>`` in multiruns, ``/shard-<i>-of-<n>`` with ``shard=i/n``).
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 from dataclasses import fields
@@ -9,16 +19,20 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from spark_bench.benchmarks.export import read_samples, write_samples
-from spark_bench.benchmarks.longbench import load_longbench
-from spark_bench.benchmarks.ruler import load_ruler
+from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS, TASKS as LONGBENCH_TASKS, load_longbench, read_records
+from spark_bench.benchmarks.ruler import RULER_TASKS, load_ruler
 from spark_bench.methods import MethodConfig
 from spark_bench.models import ModelConfig, load_model
-from spark_bench.runner import run_sweep
+from spark_bench.results import ResultsMismatch
+from spark_bench.runner import default_payload, run_sweep
 
 METHOD_OPTIONS = tuple(f.name for f in fields(MethodConfig) if f.name != "name")  # top-level config keys
+WINDOWED = ("snapkv", "pyramidkv", "adasnapkv")   # evictions that always keep the observation window
+SINKED = ("streamingllm", "expected_attention")   # evictions that always keep n_sink tokens
 
 
 class ConfigError(ValueError):
@@ -32,10 +46,10 @@ def method_configs(cfg: DictConfig) -> list[MethodConfig]:
     entries = [{"name": cfg.method.name}] if cfg.get("method") else OmegaConf.to_container(cfg.sweep.configs)
     out = []
     for i, entry in enumerate(entries):
+        where = "method" if cfg.get("method") else f"sweep.configs[{i}]"
         try:
             out.append(MethodConfig.from_dict({**base, **entry}))
         except (TypeError, ValueError) as err:
-            where = "method" if cfg.get("method") else f"sweep.configs[{i}]"
             raise ConfigError(f"{where}: {err}") from None
     return out
 
@@ -45,6 +59,72 @@ def model_config(cfg: DictConfig) -> ModelConfig:
         return ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     except (TypeError, ValueError) as err:
         raise ConfigError(f"model: {err}") from None
+
+
+def parse_shard(shard) -> tuple[int, int] | None:
+    if shard in (None, ""):
+        return None
+    try:
+        i, n = (int(x) for x in str(shard).split("/"))
+    except ValueError:
+        raise ConfigError(f"shard must look like i/n (e.g. shard=0/4), got {shard!r}") from None
+    if not 0 <= i < n:
+        raise ConfigError(f"shard={shard}: need 0 <= i < n")
+    return i, n
+
+
+def _check_file(key: str, path) -> None:
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"{key}: {path} does not exist")
+
+
+def validate(cfg: DictConfig) -> tuple[ModelConfig, list[MethodConfig]]:
+    """Everything that can be checked without the model; raises :class:`ConfigError`."""
+    configs, model = method_configs(cfg), model_config(cfg)
+    parse_shard(cfg.get("shard"))
+    b = cfg.benchmark
+    if b.name not in BENCHMARKS:
+        raise ConfigError(f"benchmark.name={b.name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
+    if b.get("data_file"):
+        _check_file("benchmark.data_file", b.data_file)
+        try:
+            read_samples(b.data_file)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        return model, configs
+    if b.name == "ruler":
+        unknown = [t for t in b.tasks if t not in RULER_TASKS]
+        if unknown:
+            raise ConfigError(f"benchmark.tasks: unknown RULER task(s) {unknown}; valid: {', '.join(RULER_TASKS)}")
+        if b.length > model.max_length:
+            raise ConfigError(f"benchmark.length={b.length} exceeds model {model.name} max_length={model.max_length}")
+        for key in ("essay_file", "squad_file", "hotpotqa_file"):
+            _check_file(f"ruler.{key}", cfg.ruler.get(key))
+    else:
+        valid = LONGBENCH_E_TASKS if cfg.longbench.e else tuple(LONGBENCH_TASKS)
+        unknown = [t for t in b.tasks if t not in valid]
+        if unknown:
+            raise ConfigError(f"benchmark.tasks: unknown LongBench task(s) {unknown}; valid: {', '.join(valid)}")
+        if cfg.longbench.data_dir is not None:
+            if not Path(cfg.longbench.data_dir).is_dir():
+                raise ConfigError(f"longbench.data_dir: {cfg.longbench.data_dir} is not a directory")
+            for task in b.tasks:  # every record parsed now: a malformed line is reported before the model loads
+                try:
+                    read_records(task, cfg.longbench.data_dir, cfg.longbench.e)
+                except (ValueError, FileNotFoundError) as err:
+                    raise ConfigError(str(err)) from None
+    length = b.get("length")
+    for i, c in enumerate(configs):
+        where = "method" if cfg.get("method") else f"sweep.configs[{i}]"
+        if c.eviction_name is None:
+            continue
+        tokens = c.budget if c.budget >= 1 else (int(c.budget * length) if length else None)
+        if c.eviction_name in WINDOWED and tokens is not None and tokens < c.window_size:
+            raise ConfigError(f"{where}: budget={c.budget:g} ({tokens} tokens) is smaller than the observation "
+                              f"window window_size={c.window_size}")
+        if c.eviction_name in SINKED and tokens is not None and tokens <= c.n_sink:
+            raise ConfigError(f"{where}: budget={c.budget:g} ({tokens} tokens) must exceed n_sink={c.n_sink}")
+    return model, configs
 
 
 def _ruler(cfg: DictConfig, lm):
@@ -64,26 +144,44 @@ BENCHMARKS = {"ruler": _ruler, "longbench": _longbench}
 
 def load_samples(cfg: DictConfig, lm):
     if cfg.benchmark.get("data_file"):  # samples exported by spark-bench-export: rerun exactly
-        return read_samples(cfg.benchmark.data_file)
-    name = cfg.benchmark.name
-    if name not in BENCHMARKS:
-        raise ConfigError(f"benchmark.name={name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
-    return BENCHMARKS[name](cfg, lm)
+        samples = read_samples(cfg.benchmark.data_file)
+    else:
+        samples = BENCHMARKS[cfg.benchmark.name](cfg, lm)
+    shard = parse_shard(cfg.get("shard"))
+    return samples if shard is None else samples[shard[0]::shard[1]]
+
+
+def output_dir(cfg: DictConfig) -> Path:
+    out = Path(cfg.output_root) / cfg.run
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        out = out / str(HydraConfig.get().job.num)
+    shard = parse_shard(cfg.get("shard"))
+    return out / f"shard-{shard[0]}-of-{shard[1]}" if shard else out
+
+
+def run_payload(cfg: DictConfig, lm, samples, configs) -> dict:
+    """The results directory's fingerprint: configs, model, samples, benchmark settings and shard."""
+    keep = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "benchmark", "longbench", "ruler")}
+    return {**default_payload(lm, samples, configs), **keep, "shard": cfg.get("shard")}
 
 
 def run(cfg: DictConfig, out_dir: Path) -> None:
-    configs = method_configs(cfg)
+    model_cfg, configs = validate(cfg)
     start = time.perf_counter()
-    lm = load_model(model_config(cfg), cfg.device)
+    lm = load_model(model_cfg, cfg.device)
     try:
         samples = load_samples(cfg, lm)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+    payload = run_payload(cfg, lm, samples, configs)
     print(f"spark-bench: {lm.config.name} on {cfg.benchmark.name} ({len(samples)} samples) × "
           f"{len(configs)} method configs → {out_dir}", flush=True)
-    run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True))
+    try:
+        run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True), payload=payload,
+                  progress=bool(cfg.get("progress", True)) and sys.stderr.isatty())
+    except ResultsMismatch as err:
+        raise ConfigError(str(err)) from None
+    (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
     print(f"\n{(out_dir / 'table.md').read_text()}\nwall time {time.perf_counter() - start:.0f}s; "
           f"results in {out_dir}", flush=True)
 
@@ -91,13 +189,19 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # repository-level conf/ (editable install)
 
 
+def _fail(tool: str, cfg: DictConfig, err: Exception) -> None:
+    if HydraConfig.initialized() and HydraConfig.get().verbose:  # hydra.verbose=true: show the traceback
+        raise err
+    print(f"{tool}: error: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
-        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        run(cfg, output_dir(cfg))
     except (ConfigError, FileNotFoundError) as err:
-        print(f"spark-bench: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _fail("spark-bench", cfg, err)
 
 
 def main() -> None:
@@ -108,18 +212,55 @@ def main() -> None:
 def _hydra_export(cfg: DictConfig) -> None:
     """Generate (or load) the benchmark's samples with the model's tokenizer and write them as JSONL."""
     try:
-        lm = load_model(model_config(cfg), cfg.device)
+        model_cfg, _ = validate(cfg)
+        lm = load_model(model_cfg, cfg.device)
         samples = load_samples(cfg, lm)
     except (ConfigError, FileNotFoundError, ValueError) as err:
-        print(f"spark-bench-export: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    path = Path(cfg.get("export_path") or Path(HydraConfig.get().runtime.output_dir) / "samples.jsonl")
+        _fail("spark-bench-export", cfg, err)
+    path = Path(cfg.get("export_path") or output_dir(cfg) / "samples.jsonl")
     write_samples(samples, path, lm.tokenizer)
     print(f"spark-bench-export: {len(samples)} samples of {cfg.benchmark.name} → {path}")
 
 
 def export() -> None:
     _hydra_export()
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def _hydra_memory(cfg: DictConfig) -> None:
+    """KV bytes per sequence and the largest batch under ``memory.cap_gib`` for each method config (no model load)."""
+    from spark_bench.memory import plan, render, to_json
+
+    try:
+        model = model_config(cfg)
+        mem = cfg.memory
+        plans = [plan(c, model, mem.seq_len, mem.gen_len, mem.cap_gib, mem.overhead_gib) for c in method_configs(cfg)]
+    except (ConfigError, ValueError) as err:
+        _fail("spark-bench-memory", cfg, err)
+    print(render(plans, model, mem.seq_len, mem.gen_len, mem.cap_gib))
+    if mem.get("out"):
+        Path(mem.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(mem.out).write_text(to_json(plans), encoding="utf-8")
+
+
+def memory() -> None:
+    _hydra_memory()
+
+
+def merge(argv: list[str] | None = None) -> None:
+    """``spark-bench-merge DIR``: join ``DIR/shard-*-of-n`` into ``DIR`` (predictions, scores, table)."""
+    from spark_bench.shards import merge_shards
+
+    parser = argparse.ArgumentParser(prog="spark-bench-merge", description=merge.__doc__)
+    parser.add_argument("directory", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        n = merge_shards(args.directory)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"spark-bench-merge: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"spark-bench-merge: {n} shards → {args.directory}")
+    print((args.directory / "table.md").read_text())
 
 
 if __name__ == "__main__":

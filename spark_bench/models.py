@@ -38,6 +38,7 @@ class ModelConfig:
     tokenizer: dict | None = None
     seed: int = 0
     attn_implementation: str = "sdpa"
+    arch: dict | None = None  # num_layers, num_heads, num_kv_heads, head_dim, num_params (memory planner)
 
     def __post_init__(self):
         if self.source not in SOURCES:

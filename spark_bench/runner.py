@@ -3,6 +3,7 @@ then the tables. Hydra-free so tests and scripts can call it directly; :mod:`spa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.metrics import score
@@ -18,6 +20,7 @@ from spark_bench.engine.prefill import run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.pipeline import kept_key_fraction
 from spark_bench.models import LoadedModel
+from spark_bench.results import TIMING_FIELDS, ResultsDir, read_complete_lines
 from spark_bench.tables import render_markdown, summarize
 
 
@@ -39,9 +42,6 @@ class Prediction:
     compress_s: float
     decode_s: float
 
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__, ensure_ascii=False)
-
 
 def run_sample(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> list[Prediction]:
     """Prefill ``sample`` once, then compress + decode + score it under every pipeline."""
@@ -52,9 +52,9 @@ def run_sample(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> li
     input_ids = torch.tensor([sample.input_ids], device=lm.device)
     prefill = run_prefill(lm.model, input_ids, window, query_stats=next(iter(specs), None))
     full_bytes = prefill.dense_kv_bytes()
-    out = []
+    out, selections = [], {}
     for pipeline in pipelines:
-        cache, compress_s = pipeline.build_cache(prefill)
+        cache, compress_s = pipeline.build_cache(prefill, selections=selections)
         kv_bytes = cache.nbytes()
         start = time.perf_counter()
         tokens = greedy_decode(lm.model, cache, prefill.first_logits, prefill.prompt_length,
@@ -71,29 +71,56 @@ def run_sample(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> li
     return out
 
 
+def default_payload(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig]) -> dict:
+    """What a results directory is a function of: the method configs, the model and the exact samples."""
+    data = hashlib.sha256(json.dumps([[s.id, list(s.input_ids), list(s.answers), s.max_new_tokens]
+                                      for s in samples]).encode()).hexdigest()[:16]
+    return {"configs": [c.to_dict() for c in configs], "model": lm.config.name, "samples": data}
+
+
 def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig], out_dir: Path,
-              log=print) -> pd.DataFrame:
-    """Run every config on every sample, writing ``predictions.jsonl``, ``scores.csv`` and ``table.md``."""
+              log=print, payload: dict | None = None, progress: bool = False) -> pd.DataFrame:
+    """Run every config on every sample into ``out_dir`` (``predictions.jsonl``, ``timings.jsonl``, ``scores.csv``,
+    ``table.md``). Finished (sample, config) pairs already in ``out_dir`` are kept, not recomputed."""
     labels = [c.label for c in configs]
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
         raise ValueError(f"sweep has duplicate method configs (same table row): {duplicates}")
+    ids = [s.id for s in samples]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate sample ids: {sorted({i for i in ids if ids.count(i) > 1})[:5]}")
     pipelines = [Pipeline.from_config(c) for c in configs]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    with open(out_dir / "predictions.jsonl", "w", encoding="utf-8") as f:
-        for i, sample in enumerate(samples, 1):
-            start = time.perf_counter()
-            preds = run_sample(lm, sample, pipelines)
-            for p in preds:
-                f.write(p.to_json() + "\n")
-                rows.append(p.__dict__)
-            f.flush()
-            log(f"[{i}/{len(samples)}] {sample.id} ({preds[0].prompt_length} tok) "
-                f"{time.perf_counter() - start:.1f}s: " + ", ".join(f"{p.config}={p.score:.0f}" for p in preds))
-    predictions = pd.DataFrame(rows)
+    results = ResultsDir(out_dir, payload or default_payload(lm, samples, configs))
+    done = {(r["id"], r["config"]): r for r in results.open()}
+    timing = {(r["id"], r["config"]): r for r in read_complete_lines(results.timings)}
+    resumed = sum((s.id, label) in done for s in samples for label in labels)
+    if resumed:
+        log(f"resuming {out_dir}: {resumed} of {len(samples) * len(labels)} predictions already done")
+    bar = tqdm(samples, desc=out_dir.name, unit="sample", disable=not progress, dynamic_ncols=True)
+    new_tokens, decode_seconds = 0, 0.0
+    for sample in bar:
+        todo = [p for p in pipelines if (sample.id, p.config.label) not in done]
+        if not todo:
+            continue
+        records = [p.__dict__ for p in run_sample(lm, sample, todo)]
+        results.append(records)
+        for r in records:
+            done[r["id"], r["config"]] = timing[r["id"], r["config"]] = r
+        new_tokens += sum(len(r["tokens"]) for r in records)
+        decode_seconds += sum(r["decode_s"] for r in records)
+        bar.set_postfix(tok_s=f"{new_tokens / max(decode_seconds, 1e-9):.1f}")
+        if not progress:
+            log(f"{sample.id} ({records[0]['prompt_length']} tok): "
+                + ", ".join(f"{r['config']}={r['score']:.0f}" for r in records))
+    ordered = [done[s.id, label] for s in samples for label in labels]
+    predictions = pd.DataFrame([{**r, **{k: timing.get((r["id"], r["config"]), {}).get(k, float("nan"))
+                                         for k in TIMING_FIELDS}} for r in ordered])
     tasks = list(dict.fromkeys(s.task for s in samples))
     scores = summarize(predictions, labels, tasks)
-    scores.to_csv(out_dir / "scores.csv", index=False)
-    (out_dir / "table.md").write_text(render_markdown(scores, labels, tasks), encoding="utf-8")
+    results.finalize(ordered, {"scores.csv": scores.to_csv(index=False),
+                               "table.md": render_markdown(scores, labels, tasks)})
+    for label, group in predictions.groupby("config", sort=False):
+        rate = group.tokens.map(len).sum() / max(group.decode_s.sum(), 1e-9)
+        log(f"{label}: score {group.score.mean():.2f}, KV {100 * (group.kv_bytes / group.kv_bytes_full).mean():.1f}%"
+            f", decode {rate:.1f} tok/s")
     return predictions

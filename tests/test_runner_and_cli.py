@@ -35,12 +35,14 @@ def test_sweep_writes_predictions_scores_and_table(sweep_run, samples):
     assert len(lines) == len(samples) * len(SWEEP)
     for rec in lines:
         assert {"task", "id", "prompt_length", "prediction", "answers", "score", "kv_bytes", "kv_bytes_full",
-                "prefill_s", "compress_s", "decode_s"} <= rec.keys()
+                "key_ratio"} <= rec.keys() and "prefill_s" not in rec  # timings live in timings.jsonl
         assert 0 < rec["kv_bytes"] <= rec["kv_bytes_full"]
+    timings = [json.loads(l) for l in (out / "timings.jsonl").read_text().splitlines()]
+    assert len(timings) == len(lines) and {"prefill_s", "compress_s", "decode_s"} <= timings[0].keys()
     scores = pd.read_csv(out / "scores.csv")
     assert len(scores) == len(SWEEP) * 2
     table = (out / "table.md").read_text().splitlines()
-    assert table[0] == "| Method | niah_single_1 | niah_multikey_2 | Avg | KV % |"
+    assert table[0] == "| Method | niah_single_1 | niah_multikey_2 | Avg | KV % | Key ratio |"
     assert [row.split(" | ")[0].lstrip("| ") for row in table[2:]] == [c.label for c in SWEEP]
 
 

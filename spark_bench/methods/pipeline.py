@@ -173,10 +173,19 @@ class Pipeline:
             return QueryStatsSpec(n_sink=self.config.n_sink)
         return None
 
-    def compress_layer(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> StoredLayer:
+    def compress_layer(self, layer: LayerPrefill, layer_idx: int, num_layers: int,
+                       selections: dict | None = None) -> StoredLayer:
+        """``selections`` memoises token selections across the pipelines of one sample: configs that share an
+        eviction method (``snapkv``, ``snapkv+think``, ``snapkv+spark``, … at one budget) score tokens once."""
         keys, values, valid = layer.keys, layer.values, None
         if self.eviction is not None:
-            selection = self.eviction.select(layer, layer_idx, num_layers)
+            key = (self.eviction, layer_idx)
+            if selections is None or key not in selections:
+                selection = self.eviction.select(layer, layer_idx, num_layers)
+                if selections is not None:
+                    selections[key] = selection
+            else:
+                selection = selections[key]
             if selection is not None:
                 keys, values = gather_tokens(keys, selection.indices), gather_tokens(values, selection.indices)
                 valid = selection.valid
@@ -184,11 +193,12 @@ class Pipeline:
         value_store = self.values.compress_values(values) if self.values else DenseStore(values)
         return StoredLayer(key_store, value_store, valid)
 
-    def build_cache(self, prefill: Prefill, attention: str = "compact") -> tuple[CompressedCache, float]:
+    def build_cache(self, prefill: Prefill, attention: str = "compact",
+                    selections: dict | None = None) -> tuple[CompressedCache, float]:
         """The compressed cache for this config (never modifies ``prefill``) and the seconds it took."""
         start = time.perf_counter()
         n = len(prefill.layers)
-        layers = [self.compress_layer(layer, i, n) for i, layer in enumerate(prefill.layers)]
+        layers = [self.compress_layer(layer, i, n, selections) for i, layer in enumerate(prefill.layers)]
         return CompressedCache(layers, attention), time.perf_counter() - start
 
 

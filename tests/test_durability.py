@@ -1,0 +1,123 @@
+"""Long sweeps: bad input refused before anything runs, kill -9 + resume, determinism, launchers, shards."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+BASE = ["model=tiny-llama", "benchmark.tasks=[niah_single_1,niah_multikey_2]", "benchmark.length=512",
+        "benchmark.max_new_tokens=6", "progress=false"]
+
+
+def cli(args, cwd, timeout=600, merge=False, wait=True):
+    entry = ["-c", "from spark_bench.cli import merge; merge()"] if merge else ["-m", "spark_bench.cli"]
+    cmd = [sys.executable, *entry, *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    if not wait:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _bad_longbench(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "hotpotqa.jsonl").write_text('{"input": "q", "context": "c", "answers": ["a"]}\n{oops\n')
+    return [f"longbench.data_dir={tmp_path / 'data'}", "benchmark=longbench", "benchmark.tasks=[hotpotqa]"]
+
+
+BAD_INPUTS = {
+    "unknown model": (["model=nope"], "Could not find 'model/nope'"),
+    "unknown method": (["method=nope"], "Could not find 'method/nope'"),
+    "unknown benchmark": (["benchmark=nope"], "Could not find 'benchmark/nope'"),
+    "unknown task": (["benchmark.tasks=[niah_nope]"], "unknown RULER task(s) ['niah_nope']; valid: niah_single_1"),
+    "ratio out of range": (["method=spark", "ratio=1.2"], "ratio must be in [0, 1), got 1.2"),
+    "value_ratio out of range": (["method=spark", "value_ratio=-0.1"], "value_ratio must be in [0, 1)"),
+    "budget below window": (["method=snapkv", "budget=16"], "budget=16 (16 tokens) is smaller than the observation"),
+    "fraction budget below window": (["method=pyramidkv", "budget=0.01"], "smaller than the observation window"),
+    "top_p out of range": (["method=spark", "variant=top_p", "top_p=0"], "top_p must be in (0, 1], got 0"),
+    "unknown recovery": (["method=spark", "recovery=uniform"], "recovery must be one of degenerate"),
+    "missing data dir": (["benchmark=longbench", "longbench.data_dir=/no/such/dir"],
+                         "longbench.data_dir: /no/such/dir is not a directory"),
+    "malformed record": (None, "hotpotqa.jsonl:2: not valid JSON"),
+    "length above context": (["benchmark.length=100000"], "benchmark.length=100000 exceeds model tiny-llama"),
+    "bad shard": (["shard=3/2"], "shard=3/2: need 0 <= i < n"),
+    "missing essay file": (["ruler.essay_file=/no/essays.json"], "ruler.essay_file: /no/essays.json does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, case):
+    args, message = BAD_INPUTS[case]
+    if args is None:
+        args = _bad_longbench(tmp_path)
+    before = set(tmp_path.rglob("*"))
+    base = ["model=tiny-llama"] if "benchmark=longbench" in args else BASE  # RULER-only keys don't apply
+    out = cli([*base, *args, f"output_root={tmp_path / 'results'}"], cwd=tmp_path)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr[-1500:]
+    assert "Traceback" not in out.stderr
+    assert set(tmp_path.rglob("*")) == before  # no results dir, no Hydra files, nothing
+
+
+def _sweep_args(root, run):
+    return [*BASE, "benchmark.num_samples=3", "method=snapkv+spark", "ratio=0.8", "budget=64",
+            f"output_root={root}", f"run={run}"]
+
+
+def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path):
+    reference = cli(_sweep_args(tmp_path, "uninterrupted"), cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    proc = cli(_sweep_args(tmp_path, "killed"), cwd=tmp_path, wait=False)
+    predictions = tmp_path / "killed" / "predictions.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill after two of the six samples are on disk
+        if predictions.exists() and len(predictions.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = predictions.read_text().splitlines()
+    assert 2 <= len(partial) < 6 and not (tmp_path / "killed" / "table.md").exists()
+    resumed = cli(_sweep_args(tmp_path, "killed"), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"{len(partial)} of 6 predictions already done" in resumed.stdout
+    for name in ("predictions.jsonl", "scores.csv", "table.md"):  # byte-identical to the uninterrupted run
+        assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "uninterrupted" / name).read_bytes()
+    timings = [json.loads(line) for line in (tmp_path / "killed" / "timings.jsonl").read_text().splitlines()]
+    # nothing computed twice (a kill between the two appends may lose one sample's timing line, never a prediction)
+    assert len(timings) == len({(t["id"], t["config"]) for t in timings}) >= 5
+    again = cli(_sweep_args(tmp_path, "killed"), cwd=tmp_path)
+    assert "6 of 6 predictions already done" in again.stdout
+    other = cli([*_sweep_args(tmp_path, "killed"), "ratio=0.5"], cwd=tmp_path)
+    assert other.returncode == 2 and "holds results of a different configuration (differs in: configs" in other.stderr
+
+
+def test_same_seed_same_bytes(tmp_path):
+    for run in ("a", "b"):
+        assert cli(_sweep_args(tmp_path, run), cwd=tmp_path).returncode == 0
+    assert (tmp_path / "a" / "predictions.jsonl").read_bytes() == (tmp_path / "b" / "predictions.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("launcher", ["local_parallel", "local_submitit"])
+def test_two_job_sweep_through_launcher(tmp_path, launcher):
+    out = cli(["-m", f"hydra/launcher={launcher}", *BASE, "benchmark.num_samples=1", "method=snapkv,full",
+               "budget=64", f"output_root={tmp_path}", "run=multi"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for job in ("0", "1"):
+        table = (tmp_path / "multi" / job / "table.md").read_text()
+        assert ("SnapKV @64" if job == "0" else "Full") in table
+
+
+def test_shards_merge_into_the_unsharded_result(tmp_path):
+    for shard in ("0/2", "1/2"):
+        assert cli([*_sweep_args(tmp_path, "sharded"), f"shard={shard}"], cwd=tmp_path).returncode == 0
+    assert cli(_sweep_args(tmp_path, "whole"), cwd=tmp_path).returncode == 0
+    merged = cli([str(tmp_path / "sharded")], cwd=tmp_path, merge=True)
+    assert merged.returncode == 0, merged.stderr
+    for name in ("predictions.jsonl", "scores.csv", "table.md"):
+        assert (tmp_path / "sharded" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
