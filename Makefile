@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean table1 table2 ablation-dist ablation-variants kv-joint figure5 paper-shape
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,30 @@ bench: $(STAMP)
 	$(BIN)/spark-bench-memory model=llama3.1-8b sweep=memory memory.out=results/bench/memory.json
 	$(BIN)/python scripts/bench/sweep.py
 	$(BIN)/python scripts/bench/summary.py
+
+# Paper tables: run the experiment, then its report beside the paper's numbers. They need GPUs and hub access
+# (except paper-shape); `make table1 DRY_RUN=true` only validates the configs and prints the plan.
+DRY_RUN ?= false
+PAPER := ../shared/paper/tables
+define experiment
+	$(BIN)/spark-bench +experiment=$(1) dry_run=$(DRY_RUN)
+	if [ "$(DRY_RUN)" != true ]; then $(BIN)/spark-bench-report results/$(1) --layout $(2) $(3) --out results/$(1)/report $(4); fi
+endef
+
+table1: $(STAMP)
+	$(call experiment,table1,longbench,--paper $(PAPER)/tab_main.csv)
+table2: $(STAMP)
+	$(call experiment,table2,ruler,--paper $(PAPER)/tab_main_ruler.csv)
+ablation-dist: $(STAMP)
+	$(call experiment,ablation_dist,longbench,)
+ablation-variants: $(STAMP)
+	$(call experiment,ablation_variants,longbench,)
+kv-joint: $(STAMP)
+	$(call experiment,kv_joint,longbench,)
+figure5: $(STAMP)
+	$(call experiment,figure5,longbench,,--figures)
+paper-shape: $(STAMP)
+	$(call experiment,paper_shape,ruler,,--figures)
 
 clean:
 	rm -rf $(VENV) *.egg-info

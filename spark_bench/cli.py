@@ -167,6 +167,11 @@ def run_payload(cfg: DictConfig, lm, samples, configs) -> dict:
 
 def run(cfg: DictConfig, out_dir: Path) -> None:
     model_cfg, configs = validate(cfg)
+    if cfg.get("dry_run"):
+        tasks = "data_file" if cfg.benchmark.get("data_file") else ", ".join(cfg.benchmark.tasks)
+        print(f"spark-bench (dry run): {model_cfg.name} on {cfg.benchmark.name} [{tasks}] × {len(configs)} method "
+              f"configs → {out_dir}\n" + "\n".join(f"  {c.label}" for c in configs), flush=True)
+        return
     start = time.perf_counter()
     lm = load_model(model_cfg, cfg.device)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def main() -> None:
     lm = load_model(model_cfg, "cpu")
     tasks = ["niah_single_1", "niah_multikey_1"]
     scratch = args.out.parent / "sweep_runs"
+    shutil.rmtree(scratch, ignore_errors=True)  # fresh: a results dir would otherwise resume, computing nothing
 
     def samples():
         return load_ruler(tasks, args.length, args.samples, 42, lm, args.max_new_tokens)

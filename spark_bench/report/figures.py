@@ -1,0 +1,81 @@
+"""Figures of the paper's Fig. 5 from measured runs (matplotlib, PNG).
+
+* (a) score vs key pruning ratio λ for SparK, ThinK and unrecovered SparK (``recovery=none``), one eviction
+  method and budget;
+* (c) score vs measured KV-cache bytes for every config (eviction alone, +ThinK, +SparK).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+
+def load_predictions(directories) -> pd.DataFrame:
+    frames = []
+    for directory in directories:
+        lines = (Path(directory) / "predictions.jsonl").read_text().splitlines()
+        frames.append(pd.DataFrame([json.loads(line) for line in lines if line.strip()]))
+    preds = pd.concat(frames, ignore_index=True)
+    method = pd.DataFrame(list(preds.method))
+    return preds.assign(name=method.name, ratio=method.ratio, recovery=method.recovery, budget=method.budget)
+
+
+def _per_config(preds: pd.DataFrame) -> pd.DataFrame:
+    task_means = preds.groupby(["config", "task"], sort=False).agg(
+        score=("score", "mean"), name=("name", "first"), ratio=("ratio", "first"), recovery=("recovery", "first"),
+        budget=("budget", "first"), kv_bytes=("kv_bytes", "mean"))
+    return task_means.groupby("config", sort=False).agg(
+        score=("score", "mean"), name=("name", "first"), ratio=("ratio", "first"), recovery=("recovery", "first"),
+        budget=("budget", "first"), kv_mib=("kv_bytes", lambda b: b.mean() / 2 ** 20)).reset_index()
+
+
+def figure_ratio(preds: pd.DataFrame, path: Path, eviction: str = "snapkv") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _per_config(preds)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    base = rows[rows.name == eviction]
+    series = {"SparK": (rows.name == f"{eviction}+spark") & (rows.recovery == "degenerate"),
+              "ThinK": rows.name == f"{eviction}+think",
+              "unrecovered": (rows.name == f"{eviction}+spark") & (rows.recovery == "none")}
+    for label, mask in series.items():
+        part = pd.concat([base.assign(ratio=0.0), rows[mask]]).sort_values("ratio")
+        if len(part) > 1:
+            ax.plot(part.ratio, part.score, marker="o", label=label)
+    ax.set_xlabel("key pruning ratio λ")
+    ax.set_ylabel("average score")
+    ax.set_title(f"Score vs pruning ratio ({eviction})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def figure_bytes(preds: pd.DataFrame, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _per_config(preds)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for family, mask in {"eviction only / full": ~rows.name.str.contains(r"\+"),
+                         "+ThinK": rows.name.str.endswith("+think"),
+                         "+SparK": rows.name.str.endswith("+spark") & (rows.recovery == "degenerate")}.items():
+        part = rows[mask]
+        ax.scatter(part.kv_mib, part.score, label=family)
+    ax.set_xlabel("KV cache held after compression (MiB, measured)")
+    ax.set_ylabel("average score")
+    ax.set_title("Score vs KV-cache bytes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,84 @@
+"""One long format for every table — ``block, group, method, column, value`` — built from our runs or from the
+paper's transcribed CSVs, so both render through the same code and can be set side by side.
+
+``group`` is the base eviction method a ``+ThinK (λ)`` / ``+SparK (λ)`` row belongs to (the paper's CSVs leave it
+implicit in row order; :func:`read_paper_csv` restores it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from spark_bench.methods.pipeline import DISPLAY
+from spark_bench.report.layouts import Layout
+
+COLUMNS = ["block", "group", "method", "column", "value"]
+_LATEX = re.compile(r"^(?:\\[A-Za-z]+(?:\{[^}]*\}|[\d-]+)?\s*)+")
+
+
+def clean_method(text: str) -> str:
+    """``\\cdashline1-15 SnapKV`` → ``SnapKV``; ``+ThinK(0.5)`` → ``+ThinK (0.5)``."""
+    text = _LATEX.sub("", str(text)).strip()
+    return re.sub(r"(\S)\(", r"\1 (", text)
+
+
+def read_paper_csv(path: str | Path) -> pd.DataFrame:
+    raw = pd.read_csv(path, keep_default_na=False, dtype={"value": str})
+    rows, group = [], ""
+    for block, method, column, value in raw[["block", "method", "column", "value"]].itertuples(index=False):
+        method = clean_method(method)
+        if not method.startswith("+"):
+            group = method
+        rows.append((str(block).strip(), group, method, str(column).strip(), value))
+    frame = pd.DataFrame(rows, columns=COLUMNS)
+    frame["value"] = pd.to_numeric(frame["value"], errors="coerce")
+    return frame
+
+
+def budget_block(budget: float) -> str:
+    return f"KV-size {budget:g}" if budget >= 1 else f"KV {100 * budget:g}%"
+
+
+def row_names(method: dict) -> tuple[str, str, str]:
+    """(block, group, row label) of a method config in the paper's style."""
+    name = method["name"]
+    eviction, _, channel = name.partition("+")
+    if name in ("think", "spark"):
+        eviction, channel = "", name
+    block = budget_block(method["budget"]) if eviction not in ("", "full") else ""
+    group = DISPLAY.get(eviction, "Vanilla") if eviction not in ("", "full") else "Vanilla"
+    if not channel:
+        return block, group, group
+    label = DISPLAY[channel]
+    if channel == "spark" and method.get("variant") == "top_p":
+        label += f"-p ({method['top_p']:g})"
+    elif channel == "spark" and method.get("variant") == "group":
+        label += f"-g ({method['groups']})"
+    else:
+        vr = method.get("value_ratio") or 0
+        label += f" ({method['ratio']:g}{f'+{vr:g}' if vr else ''})"
+    if channel == "spark" and method.get("recovery", "degenerate") != "degenerate":
+        label += f" [{method['recovery']}]"
+    return block, group, ("+" + label) if eviction else label
+
+
+def read_runs(directories, layout: Layout) -> pd.DataFrame:
+    """Mean score per (config, task) of every run directory, in the long format, plus ``KV %`` and ``Key ratio``."""
+    rows = []
+    for directory in directories:
+        path = Path(directory) / "predictions.jsonl"
+        if not path.exists():
+            raise FileNotFoundError(f"{directory}: no predictions.jsonl (not a spark-bench results directory)")
+        preds = pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        for label, group in preds.groupby("config", sort=False):
+            block, base, method = row_names(group.iloc[0]["method"])
+            for task, scores in group.groupby("task", sort=False):
+                column = (layout.task_names or {}).get(task, task)
+                rows.append((block, base, method, column, scores.score.mean()))
+            rows.append((block, base, method, "KV %", 100 * (group.kv_bytes / group.kv_bytes_full).mean()))
+            rows.append((block, base, method, "Key ratio", group.key_ratio.mean()))
+    return pd.DataFrame(rows, columns=COLUMNS)

@@ -1,0 +1,115 @@
+"""Render the long format in a paper layout as Markdown, CSV (the paper CSVs' own format) or LaTeX, optionally
+with the paper's number and the delta beside each of ours."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from spark_bench.report.layouts import Layout
+
+AVG = "Avg."
+EXTRA = ("KV %", "Key ratio")
+
+
+def _order_rows(frame: pd.DataFrame) -> list[tuple[str, str, str]]:
+    """Blocks and groups in first-appearance order; in a group the base row, then +ThinK, then +SparK rows."""
+    keys = list(dict.fromkeys(zip(frame.block, frame.group, frame.method)))
+    blocks = list(dict.fromkeys(k[0] for k in keys))
+    ordered = []
+    for block in blocks:
+        groups = list(dict.fromkeys(k[1] for k in keys if k[0] == block))
+        for group in groups:
+            rows = [k for k in keys if k[0] == block and k[1] == group]
+            rank = {m: i for i, m in enumerate(r[2] for r in rows)}
+            ordered += sorted(rows, key=lambda k: (k[2].startswith("+"), "SparK" in k[2], rank[k[2]]))
+    return ordered
+
+
+def table(frame: pd.DataFrame, layout: Layout) -> tuple[list[tuple[str, str, str]], list[str], dict]:
+    """(rows, columns, cells) of the layout; ``Avg.`` is taken from the frame when present, else the mean of the
+    layout's columns."""
+    frame = frame.assign(column=frame.column.replace({"Avg": AVG}))
+    present = set(frame.column)
+    columns = [c for c in layout.columns if c in present]
+    columns += [c for c in dict.fromkeys(frame.column) if c not in columns and c != AVG and c not in EXTRA]
+    cells = {(b, g, m, c): v for b, g, m, c, v in frame[["block", "group", "method", "column", "value"]]
+             .itertuples(index=False)}
+    rows = _order_rows(frame)
+    for row in rows:
+        if (*row, AVG) not in cells:
+            values = [cells[(*row, c)] for c in columns if (*row, c) in cells]
+            cells[(*row, AVG)] = sum(values) / len(values) if values else float("nan")
+    columns += [AVG] + [c for c in EXTRA if c in present]
+    return rows, columns, cells
+
+
+def _fmt(value, digits: int = 2) -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _cell(ours, paper, side_by_side: bool) -> str:
+    if not side_by_side or paper is None or (isinstance(paper, float) and math.isnan(paper)):
+        return _fmt(ours)
+    return f"{_fmt(ours)} ({_fmt(paper)}, {ours - paper:+.2f})"
+
+
+def to_markdown(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = None) -> str:
+    rows, columns, cells = table(frame, layout)
+    ref = table(paper, layout)[2] if paper is not None else {}
+    lines = []
+    if layout.groups:
+        spans = [name for name, n in layout.groups for _ in range(n)]
+        head = [spans[i] if i == 0 or spans[i] != spans[i - 1] else "" for i in range(len(spans))]
+        lines.append("| | " + " | ".join(head + [""] * (len(columns) - len(head))) + " |")
+    lines += ["| Method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    block = None
+    for row in rows:
+        if row[0] != block:
+            block = row[0]
+            if block:
+                lines.append(f"| **{block}** |" + " |" * len(columns))
+        lines.append(f"| {row[2]} | " + " | ".join(_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None)
+                                                  for c in columns) + " |")
+    if paper is not None:
+        lines += ["", "Cells: ours (paper, ours − paper); – where a side has no number."]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = None) -> str:
+    """The paper CSVs' own long format (``block,method,column,value``), plus ``paper,delta`` when comparing."""
+    rows, columns, cells = table(frame, layout)
+    ref = table(paper, layout)[2] if paper is not None else {}
+    out = []
+    for row in rows:
+        for c in columns:
+            if (*row, c) in cells:
+                record = {"block": row[0], "method": row[2], "column": c, "value": cells[(*row, c)]}
+                if paper is not None:
+                    p = ref.get((*row, c))
+                    record.update(paper=p, delta=None if p is None else cells[(*row, c)] - p)
+                out.append(record)
+    return pd.DataFrame(out).to_csv(index=False)
+
+
+def to_latex(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = None) -> str:
+    rows, columns, cells = table(frame, layout)
+    ref = table(paper, layout)[2] if paper is not None else {}
+    lines = [r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule"]
+    if layout.groups:
+        spans = [rf"\multicolumn{{{n}}}{{c}}{{{name}}}" for name, n in layout.groups]
+        rest = len(columns) - sum(n for _, n in layout.groups)
+        lines.append("& " + " & ".join(spans + [""] * rest) + r" \\")
+    lines += [r"\textbf{Method} & " + " & ".join(c.replace("%", r"\%") for c in columns) + r" \\", r"\midrule"]
+    block = None
+    for row in rows:
+        if row[0] != block:
+            block = row[0]
+            if block:
+                name = block.replace("%", r"\%")
+                lines.append(rf"\midrule \multicolumn{{{len(columns) + 1}}}{{l}}{{\textit{{{name}}}}} \\")
+        values = [_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None) for c in columns]
+        lines.append(row[2].replace("%", r"\%") + " & " + " & ".join(values) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,102 @@
+"""Reports: the paper's own tables round-trip through the layouts cell for cell; our runs render the same way."""
+
+import io
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from spark_bench.report import main as report_main
+from spark_bench.report.frame import clean_method, read_paper_csv, read_runs, row_names
+from spark_bench.report.layouts import LONGBENCH, RULER
+from spark_bench.report.render import table, to_csv, to_latex, to_markdown
+
+PAPER = Path(__file__).resolve().parents[2] / "shared" / "paper" / "tables"
+needs_paper = pytest.mark.skipif(not PAPER.is_dir(), reason="../shared/paper/tables not beside the checkout")
+
+
+@needs_paper
+@pytest.mark.parametrize("csv,layout", [("tab_main.csv", LONGBENCH), ("tab_full_llama3-8b.csv", LONGBENCH),
+                                        ("tab_main_ruler.csv", RULER)])
+def test_paper_table_round_trips_cell_for_cell(csv, layout):
+    raw = pd.read_csv(PAPER / csv, keep_default_na=False, dtype={"value": str})
+    frame = read_paper_csv(PAPER / csv)
+    rendered = pd.read_csv(io.StringIO(to_csv(frame, layout)), keep_default_na=False)
+    expected = [(str(b).strip(), clean_method(m), str(c).strip(), float(v)) for b, m, c, v
+                in raw[["block", "method", "column", "value"]].itertuples(index=False)]
+    got = [(str(b), m, c, float(v)) for b, m, c, v in rendered[["block", "method", "column", "value"]]
+           .itertuples(index=False)]
+    assert got == expected  # same rows, same order, same columns, same numbers
+
+
+@needs_paper
+def test_table1_layout_matches_the_paper():
+    md = to_markdown(read_paper_csv(PAPER / "tab_main.csv"), LONGBENCH).splitlines()
+    assert md[0].startswith("| | Single-Doc QA |") and "Multi-Doc QA" in md[0] and "Code" in md[0]
+    assert md[1] == "| Method | " + " | ".join(LONGBENCH.columns) + " | Avg. |"
+    block = md[md.index("| **KV-size 128** |" + " |" * 17) + 1:][:13]
+    assert [r.split(" | ")[0][2:] for r in block] == [
+        "StreamingLLM", "ExpectedAttention", "TOVA", "SnapKV", "+ThinK (0.5)", "+ThinK (0.8)", "+SparK (0.5)",
+        "+SparK (0.8)", "PyramidKV", "+ThinK (0.5)", "+ThinK (0.8)", "+SparK (0.5)", "+SparK (0.8)"]
+    rows, columns, cells = table(read_paper_csv(PAPER / "tab_main.csv"), LONGBENCH)
+    assert cells[("KV-size 128", "SnapKV", "+SparK (0.8)", "Avg.")] == 31.16  # the paper's own Avg., kept
+
+
+def test_clean_method_strips_latex():
+    assert clean_method(r"\cdashline1-15 SnapKV") == "SnapKV"
+    assert clean_method(r"\midrule Vanilla") == "Vanilla"
+    assert clean_method("+ThinK(0.5)") == "+ThinK (0.5)"
+
+
+def test_row_names_follow_the_paper():
+    base = dict(budget=128, ratio=0.8, value_ratio=0.0, recovery="degenerate", variant="fixed", top_p=0.99, groups=4)
+    assert row_names({**base, "name": "snapkv+spark"}) == ("KV-size 128", "SnapKV", "+SparK (0.8)")
+    assert row_names({**base, "name": "full"}) == ("", "Vanilla", "Vanilla")
+    assert row_names({**base, "name": "pyramidkv+spark", "value_ratio": 0.3, "ratio": 0.5}) == \
+        ("KV-size 128", "PyramidKV", "+SparK (0.5+0.3)")
+    assert row_names({**base, "name": "snapkv+spark", "variant": "top_p", "budget": 0.2})[1:] == \
+        ("SnapKV", "+SparK-p (0.99)")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_lm, tmp_path_factory):
+    from spark_bench.benchmarks.ruler import load_ruler
+    from spark_bench.methods import MethodConfig
+    from spark_bench.runner import run_sweep
+
+    samples = load_ruler(["niah_single_1", "niah_multikey_2"], 512, 1, 7, tiny_lm, max_new_tokens=4)
+    configs = [MethodConfig(name="full"), MethodConfig(name="snapkv", budget=64)] + [
+        MethodConfig(name=f"snapkv+{c}", budget=64, ratio=r, recovery=rec)
+        for c, rec in (("spark", "degenerate"), ("think", "degenerate"), ("spark", "none")) for r in (0.5, 0.8)]
+    out = tmp_path_factory.mktemp("report_run")
+    run_sweep(tiny_lm, samples, configs, out, log=lambda m: None)
+    return out
+
+
+def test_our_runs_render_with_the_paper_beside(run_dir, tmp_path):
+    out = run_dir
+    frame = read_runs([out], RULER)
+    md = to_markdown(frame, RULER)
+    assert "| Method | Niah1 | MKey2 | Avg. | KV % | Key ratio |" in md
+    assert "| **KV-size 64** |" in md and "| +SparK (0.8) [none] |" in md
+    paper = frame.assign(value=frame.value - 1.0)  # a fake "paper" one point lower everywhere
+    side = to_markdown(frame, RULER, paper)
+    assert ", +1.00)" in side and "Cells: ours (paper, ours − paper)" in side
+    latex = to_latex(frame, RULER)
+    assert latex.startswith(r"\begin{tabular}") and r"\textit{KV-size 64}" in latex
+    report_main([str(out), "--layout", "ruler", "--out", str(tmp_path / "rep"), "--figures"])
+    for name in ("table.md", "table.csv", "table.tex", "fig5a_score_vs_ratio.png", "fig5c_score_vs_bytes.png"):
+        data = (tmp_path / "rep" / name).read_bytes()
+        assert data and (not name.endswith(".png") or data[:4] == b"\x89PNG")
+
+
+@pytest.mark.parametrize("target", ["table1", "table2", "ablation-dist", "ablation-variants", "kv-joint", "figure5",
+                                    "paper-shape"])
+def test_make_targets_resolve_and_start(target):
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["make", "-s", target, "DRY_RUN=true"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "spark-bench (dry run):" in out.stdout and "method configs" in out.stdout
