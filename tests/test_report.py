@@ -8,7 +8,7 @@ import pytest
 
 from spark_bench.report import main as report_main
 from spark_bench.report.frame import clean_method, read_paper_csv, read_runs, row_names
-from spark_bench.report.layouts import LONGBENCH, RULER
+from spark_bench.report.layouts import DIST, LONGBENCH, RULER, VARIANTS
 from spark_bench.report.render import table, to_csv, to_latex, to_markdown
 
 PAPER = Path(__file__).resolve().parents[2] / "shared" / "paper" / "tables"
@@ -17,7 +17,8 @@ needs_paper = pytest.mark.skipif(not PAPER.is_dir(), reason="../shared/paper/tab
 
 @needs_paper
 @pytest.mark.parametrize("csv,layout", [("tab_main.csv", LONGBENCH), ("tab_full_llama3-8b.csv", LONGBENCH),
-                                        ("tab_main_ruler.csv", RULER)])
+                                        ("tab_main_ruler.csv", RULER), ("tab_app_kv_llama3-8b.csv", LONGBENCH),
+                                        ("tab_ab_dist.csv", DIST), ("tab_ab_var.csv", VARIANTS)])
 def test_paper_table_round_trips_cell_for_cell(csv, layout):
     raw = pd.read_csv(PAPER / csv, keep_default_na=False, dtype={"value": str})
     frame = read_paper_csv(PAPER / csv)
@@ -88,6 +89,25 @@ def test_our_runs_render_with_the_paper_beside(run_dir, tmp_path):
     for name in ("table.md", "table.csv", "table.tex", "fig5a_score_vs_ratio.png", "fig5c_score_vs_bytes.png"):
         data = (tmp_path / "rep" / name).read_bytes()
         assert data and (not name.endswith(".png") or data[:4] == b"\x89PNG")
+
+
+def test_ablation_layouts_from_runs(tiny_lm, tmp_path):
+    from spark_bench.benchmarks.ruler import load_ruler
+    from spark_bench.methods import MethodConfig
+    from spark_bench.report.frame import read_ablation
+    from spark_bench.runner import run_sweep
+
+    samples = load_ruler(["niah_single_1"], 512, 1, 7, tiny_lm, max_new_tokens=3)
+    configs = [MethodConfig(name="snapkv+spark", budget=b, ratio=0.5, recovery=r)
+               for r in ("gaussian", "degenerate") for b in (64, 128)] + [
+        MethodConfig(name="snapkv+spark", budget=b, variant="group", groups=4) for b in (64, 128)]
+    run_sweep(tiny_lm, samples, configs, tmp_path, log=lambda m: None)
+    dist = to_markdown(read_ablation([tmp_path], "dist"), DIST)
+    assert "| Method | KV-size 64 | KV-size 128 |" in dist and "| Normal |" in dist and "| Degenerate |" in dist
+    variants = read_ablation([tmp_path], "variants")
+    ratio = variants[(variants.method == "SparK-g (g=4)") & (variants.column == "Overall ratio")].value
+    assert len(ratio) == 1 and ratio.iloc[0] == pytest.approx(1 - 6 / 16)  # g=4 over D=16 keeps 4+2+... by hand
+    assert "Overall ratio" in to_markdown(variants, VARIANTS)
 
 
 @pytest.mark.parametrize("target", ["table1", "table2", "ablation-dist", "ablation-variants", "kv-joint", "figure5",

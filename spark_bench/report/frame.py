@@ -66,14 +66,57 @@ def row_names(method: dict) -> tuple[str, str, str]:
     return block, group, ("+" + label) if eviction else label
 
 
-def read_runs(directories, layout: Layout) -> pd.DataFrame:
-    """Mean score per (config, task) of every run directory, in the long format, plus ``KV %`` and ``Key ratio``."""
+RECOVERY_NAMES = {"gaussian": "Normal", "exponential": "Exponential", "degenerate": "Degenerate"}
+
+
+def _load(directory) -> pd.DataFrame:
+    path = Path(directory) / "predictions.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{directory}: no predictions.jsonl (not a spark-bench results directory)")
+    return pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+
+
+def read_ablation(directories, kind: str) -> pd.DataFrame:
+    """Runs in the ablation layouts: ``dist`` (rows Normal/Exponential/Degenerate per ratio) or ``variants``
+    (SparK / SparK-p / SparK-g rows with the achieved ``Overall ratio``); each cell the mean over tasks."""
     rows = []
     for directory in directories:
-        path = Path(directory) / "predictions.jsonl"
-        if not path.exists():
-            raise FileNotFoundError(f"{directory}: no predictions.jsonl (not a spark-bench results directory)")
-        preds = pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        preds = _load(directory)
+        for _, group in preds.groupby("config", sort=False):
+            m = group.iloc[0]["method"]
+            if "+spark" not in m["name"]:
+                continue
+            column = budget_block(m["budget"])
+            avg = group.groupby("task").score.mean().mean()
+            base = DISPLAY[m["name"].split("+")[0]]
+            if kind == "dist":
+                if m.get("variant", "fixed") != "fixed":
+                    continue
+                rows.append((f"ratio {m['ratio']:g}", "", RECOVERY_NAMES.get(m["recovery"], m["recovery"]), column, avg))
+                continue
+            if m["variant"] == "top_p":
+                label = f"SparK-p (p={100 * m['top_p']:g}%)"
+            elif m["variant"] == "group":
+                label = f"SparK-g (g={m['groups']})"
+            else:
+                label = f"SparK (ratio {m['ratio']:g})"
+            block = f"{base} avg"
+            rows.append((block, "", label, column, avg))
+            rows.append((block, "", label, "Overall ratio", group.key_ratio.mean()))
+    frame = pd.DataFrame(rows, columns=COLUMNS)
+    # the overall ratio is one number per variant: its mean over budgets
+    ratio = frame.column == "Overall ratio"
+    merged = frame[ratio].groupby(["block", "group", "method", "column"], sort=False).value.mean().reset_index()
+    return pd.concat([frame[~ratio], merged], ignore_index=True)[COLUMNS]
+
+
+def read_runs(directories, layout: Layout) -> pd.DataFrame:
+    """Mean score per (config, task) of every run directory, in the long format, plus ``KV %`` and ``Key ratio``."""
+    if layout.name in ("dist", "variants"):
+        return read_ablation(directories, layout.name)
+    rows = []
+    for directory in directories:
+        preds = _load(directory)
         for label, group in preds.groupby("config", sort=False):
             block, base, method = row_names(group.iloc[0]["method"])
             for task, scores in group.groupby("task", sort=False):

@@ -33,4 +33,8 @@ RULER = Layout(
      "niah_multikey_2": "MKey2", "niah_multikey_3": "MKey3", "niah_multivalue": "MValue",
      "niah_multiquery": "MQuery", "vt": "VT", "cwe": "CWE", "fwe": "FWE", "qa_1": "QA1", "qa_2": "QA2"},
 )
-LAYOUTS = {"longbench": LONGBENCH, "ruler": RULER}
+BUDGETS = ("KV-size 128", "KV-size 512", "KV-size 1024", "KV-size 2048")
+# ablations (Tables 4–5): one row per setting, one column per KV budget holding the task average
+DIST = Layout("dist", BUDGETS, average=False)
+VARIANTS = Layout("variants", (*BUDGETS, "Overall ratio"), average=False)
+LAYOUTS = {"longbench": LONGBENCH, "ruler": RULER, "dist": DIST, "variants": VARIANTS}

@@ -4,6 +4,7 @@ with the paper's number and the delta beside each of ours."""
 from __future__ import annotations
 
 import math
+import re
 
 import pandas as pd
 
@@ -32,16 +33,18 @@ def table(frame: pd.DataFrame, layout: Layout) -> tuple[list[tuple[str, str, str
     layout's columns."""
     frame = frame.assign(column=frame.column.replace({"Avg": AVG}))
     present = set(frame.column)
-    columns = [c for c in layout.columns if c in present]
-    columns += [c for c in dict.fromkeys(frame.column) if c not in columns and c != AVG and c not in EXTRA]
+    ordered = [c for c in layout.columns if c in present]
+    ordered += [c for c in dict.fromkeys(frame.column) if c not in ordered and c != AVG and c not in EXTRA]
+    budgets = sorted((c for c in ordered if re.fullmatch(r"KV-size \d+", c)), key=lambda c: int(c.split()[-1]))
+    columns = budgets + [c for c in ordered if c not in budgets]  # budget columns (ablations) in numeric order
     cells = {(b, g, m, c): v for b, g, m, c, v in frame[["block", "group", "method", "column", "value"]]
              .itertuples(index=False)}
     rows = _order_rows(frame)
-    for row in rows:
+    for row in rows if layout.average else ():
         if (*row, AVG) not in cells:
             values = [cells[(*row, c)] for c in columns if (*row, c) in cells]
             cells[(*row, AVG)] = sum(values) / len(values) if values else float("nan")
-    columns += [AVG] + [c for c in EXTRA if c in present]
+    columns += ([AVG] if layout.average else []) + [c for c in EXTRA if c in present]
     return rows, columns, cells
 
 

@@ -3,7 +3,8 @@
 A numbered list of words ``1. w 2. w …`` where 10 common words appear ``freq_cw`` = 30 times and the others
 ``freq_ucw`` = 3 times (6 and 1 below 4K tokens); the model names the 10 common words. Vocabulary: wonderwords'
 nouns, adjectives and verbs (sorted, deduplicated, shuffled by the seed), as RULER. One few-shot example (40 words,
-10/3 repeats; 20 words, 3/1 below 4K) precedes the question. The list grows in steps of 10 words.
+10/3 repeats; 20 words, 3/1 below 4K) precedes the question. The largest fitting word count is searched; a sample
+that comes out too long drops 10 words at a time.
 """
 
 from __future__ import annotations
@@ -55,23 +56,24 @@ def generate_cwe(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: i
                  chat_template: bool = True, max_new_tokens: int | None = None):
     step = 10
     budget = length - TOKENS_TO_GENERATE
-    limit = len(vocabulary(seed)) // step
+    limit = len(vocabulary(seed))
 
-    def encode(units: int, rng: random.Random):
-        text, answer = _text(units * step, length, seed, rng)
+    def encode(count: int, rng: random.Random):
+        text, answer = _text(count, length, seed, rng)
         return encode_prompt(tokenizer, text, ANSWER_PREFIX, chat_template), answer
 
-    units = largest_fitting(lambda u: len(encode(u, random.Random(f"{seed}-cwe-probe"))[0]) <= budget, limit)
-    if units == 0:
+    units = NUM_CW - 1 + largest_fitting(
+        lambda n: len(encode(NUM_CW - 1 + n, random.Random(f"{seed}-cwe-probe"))[0]) <= budget, limit - NUM_CW + 1)
+    if units < NUM_CW:
         raise ValueError(f"RULER cwe: length {length} is too short for the few-shot example and 10 words")
     samples = []
     for index in range(num_samples):
         used = units
         while True:
             ids, answer = encode(used, random.Random(f"{seed}-cwe-{index}"))
-            if len(ids) <= budget or used == 1:
+            if len(ids) <= budget or used - step < NUM_CW:
                 break
-            used -= 1
+            used -= step
         samples.append(make_sample("cwe", index, ids, answer, TOKENS_TO_GENERATE, max_new_tokens,
-                                   "string_match_all", haystack="wonderwords", num_words=used * step))
+                                   "string_match_all", haystack="wonderwords", num_words=used))
     return samples

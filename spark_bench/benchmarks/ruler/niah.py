@@ -136,25 +136,27 @@ def generate_niah(name: str, tokenizer: PreTrainedTokenizerBase, length: int, nu
         text, prefix, answers = _texts(task, num_haystack, rng, essay_file)
         return encode_prompt(tokenizer, text, prefix, chat_template), answers
 
-    def fits(units: int) -> bool:
-        return len(encode(units * step, random.Random(f"{seed}-{name}-probe"))[0]) <= budget
+    def fits(count: int) -> bool:
+        return len(encode(count, random.Random(f"{seed}-{name}-probe"))[0]) <= budget
 
-    # largest haystack (in RULER increments) whose probe prompt fits
-    lo = largest_fitting(fits, len(essay_words(essay_file)) // step if task.haystack == "essay" else 1 << 20)
-    if lo == 0:
+    # RULER's search: the largest raw haystack size whose probe prompt fits; samples that come out longer
+    # (their needles differ) shrink by one increment at a time
+    limit = len(essay_words(essay_file)) if task.haystack == "essay" else 1 << 20
+    found = largest_fitting(fits, limit)
+    if found == 0:
         raise ValueError(f"RULER {name}: length {length} is too short for even the smallest haystack")
 
     samples = []
     for index in range(num_samples):
-        units = lo
+        units = found
         while True:
             rng = random.Random(f"{seed}-{name}-{index}")
-            ids, answers = encode(units * step, rng)
-            if len(ids) <= budget or units == 1:
+            ids, answers = encode(units, rng)
+            if len(ids) <= budget or units <= step:
                 break
-            units -= 1
+            units -= step
         samples.append(Sample(task=name, id=f"{name}-{index}", input_ids=tuple(ids), answers=tuple(answers),
                               max_new_tokens=max_new_tokens or TOKENS_TO_GENERATE, metric="string_match_all",
                               meta={"haystack": corpus_name(essay_file) if task.haystack == "essay" else task.haystack,
-                                    "haystack_units": units * step}))
+                                    "haystack_units": units}))
     return samples

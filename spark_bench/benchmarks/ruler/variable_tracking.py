@@ -3,7 +3,8 @@
 A chain ``VAR A = 12345, VAR B = VAR A, …`` (5-letter upper-case names, a random 5-digit value) is hidden at random
 lines of the noise haystack; the model lists every variable holding the value. As in RULER, a one-shot example
 built the same way (3-letter names, value 12345, ≤ 500 tokens) is prepended, its names and value then
-re-randomised; the haystack grows in steps of 10 noise sentences (5 below 4K tokens).
+re-randomised; the largest fitting number of noise sentences is searched, and a sample that comes out too long
+shrinks by RULER's increment (10 noise sentences, 5 below 4K tokens).
 """
 
 from __future__ import annotations
@@ -57,12 +58,13 @@ def _text(num_noises: int, rng: random.Random, is_icl: bool) -> tuple[str, str, 
 
 def _icl_example(tokenizer: PreTrainedTokenizerBase, rng: random.Random) -> str:
     """RULER's one-shot example: ≤ 500 tokens, answer appended, then names and value re-randomised."""
-    def fits(units: int) -> bool:
-        text, prefix, _ = _text(units * 5, random.Random(rng.random()), True)
+    least = NUM_HOPS + 1
+
+    def fits(n: int) -> bool:
+        text, prefix, _ = _text(least - 1 + n, random.Random(rng.random()), True)
         return len(tokenizer(text + prefix)["input_ids"]) <= 500
 
-    units = max(largest_fitting(fits, 1000), 1)
-    text, prefix, answer = _text(units * 5, rng, True)
+    text, prefix, answer = _text(least - 1 + max(largest_fitting(fits, 1000), 1), rng, True)
     example = text + prefix + " " + " ".join(answer) + "\n"
     for name in example.strip().split()[-NUM_HOPS - 1:]:
         example = example.replace(name, "".join(rng.choices(string.ascii_uppercase, k=len(name))))
@@ -75,22 +77,24 @@ def generate_vt(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: in
     budget = length - TOKENS_TO_GENERATE
     icl = _icl_example(tokenizer, random.Random(f"{seed}-vt-icl"))
 
-    def encode(units: int, rng: random.Random):
-        text, prefix, answer = _text(units * step, rng, False)
+    def encode(count: int, rng: random.Random):
+        text, prefix, answer = _text(count, rng, False)
         return encode_prompt(tokenizer, icl + text, prefix, chat_template), answer
 
-    units = largest_fitting(lambda u: len(encode(u, random.Random(f"{seed}-vt-probe"))[0]) <= budget)
-    if units == 0:
+    least = NUM_HOPS + 1  # the chain needs that many noise lines to sit between
+    units = least - 1 + largest_fitting(
+        lambda n: len(encode(least - 1 + n, random.Random(f"{seed}-vt-probe"))[0]) <= budget)
+    if units < least:
         raise ValueError(f"RULER vt: length {length} is too short for the one-shot example and one step")
     samples = []
     for index in range(num_samples):
         used = units
         while True:
             ids, answer = encode(used, random.Random(f"{seed}-vt-{index}"))
-            if len(ids) <= budget or used == 1:
+            if len(ids) <= budget or used - step < least:
                 break
-            used -= 1
+            used -= step
         samples.append(make_sample("vt", index, ids, answer, TOKENS_TO_GENERATE, max_new_tokens,
-                                   "string_match_all", haystack="noise", haystack_units=used * step))
+                                   "string_match_all", haystack="noise", haystack_units=used))
     return samples
 
