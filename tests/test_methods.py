@@ -250,3 +250,10 @@ def test_labels_name_variants_and_value_ratio():
         MethodConfig(name="spark", recovery="uniform")
     with pytest.raises(ValueError, match="top_p must be in"):
         MethodConfig(name="spark", top_p=0.0)
+
+
+@pytest.mark.parametrize("name", list(EVICTION_METHODS))
+def test_fraction_budget_on_a_short_prompt_keeps_the_minimum_instead_of_failing(tiny_prefill, name):
+    """0.1 of a 160-token prompt is 16 tokens, below SnapKV's window (32) and fine for sinks: never an error."""
+    cache, _ = Pipeline.from_config(MethodConfig(name=name, budget=0.1)).build_cache(tiny_prefill)
+    assert all(layer.key_store.length <= 160 for layer in cache.layers)

@@ -30,7 +30,9 @@ class AdaSnapKV(SnapKV):
         if n_keep >= s:
             return None
         if n_keep < w:
-            raise ValueError(f"adasnapkv budget {n_keep} tokens is smaller than the observation window {w}")
+            if self.budget >= 1:
+                raise ValueError(f"adasnapkv budget {n_keep} tokens is smaller than the observation window {w}")
+            n_keep = w  # a fraction of a short prompt: keep just the window
         scores = self.token_scores(layer)  # (B, H, S − W)
         per_head, n_scored = n_keep - w, s - w
         safe = scores.topk(int(per_head * self.alpha_safeguard), dim=-1).indices

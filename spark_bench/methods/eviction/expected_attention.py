@@ -53,6 +53,8 @@ class ExpectedAttention(EvictionMethod):
         if n_keep >= s:
             return None
         if n_keep <= self.n_sink:
-            raise ValueError(f"expected_attention budget {n_keep} tokens must exceed n_sink={self.n_sink}")
+            if self.budget >= 1:
+                raise ValueError(f"expected_attention budget {n_keep} tokens must exceed n_sink={self.n_sink}")
+            n_keep = min(self.n_sink + 1, s)  # a fraction of a short prompt: the sinks and the last token
         sinks = torch.arange(self.n_sink, device=layer.keys.device)
         return top_tokens(self.token_scores(layer), n_keep, forced=sinks, offset=self.n_sink)

@@ -79,6 +79,8 @@ class SnapKV(EvictionMethod):
         if n_keep >= s:
             return None
         if n_keep < w:
-            raise ValueError(f"{type(self).__name__.lower()} budget {n_keep} tokens is smaller than the "
-                             f"observation window {w}")
+            if self.budget >= 1:  # a token budget below the window is a config error (also caught at start-up)
+                raise ValueError(f"{type(self).__name__.lower()} budget {n_keep} tokens is smaller than the "
+                                 f"observation window {w}")
+            n_keep = w  # a fraction of a short prompt: keep just the window
         return top_tokens(self.token_scores(layer), n_keep, torch.arange(s - w, s, device=layer.keys.device))

@@ -26,7 +26,9 @@ class StreamingLLM(EvictionMethod):
         if n_keep >= s:
             return None
         if n_keep <= self.n_sink:
-            raise ValueError(f"streamingllm budget {n_keep} tokens must exceed n_sink={self.n_sink}")
+            if self.budget >= 1:
+                raise ValueError(f"streamingllm budget {n_keep} tokens must exceed n_sink={self.n_sink}")
+            n_keep = min(self.n_sink + 1, s)  # a fraction of a short prompt: the sinks and the last token
         device = layer.keys.device
         idx = torch.cat([torch.arange(self.n_sink, device=device),
                          torch.arange(s - (n_keep - self.n_sink), s, device=device)])
