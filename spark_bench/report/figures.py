@@ -39,6 +39,9 @@ def figure_ratio(preds: pd.DataFrame, path: Path, eviction: str = "snapkv") -> P
     import matplotlib.pyplot as plt
 
     rows = _per_config(preds)
+    pruned = rows[rows.name.str.startswith(f"{eviction}+")]
+    budget = pruned.budget.mode().iloc[0] if len(pruned) else rows.budget.iloc[0]  # the budget of the λ sweep
+    rows = rows[rows.budget == budget]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     base = rows[rows.name == eviction]
     series = {"SparK": (rows.name == f"{eviction}+spark") & (rows.recovery == "degenerate"),
@@ -50,7 +53,7 @@ def figure_ratio(preds: pd.DataFrame, path: Path, eviction: str = "snapkv") -> P
             ax.plot(part.ratio, part.score, marker="o", label=label)
     ax.set_xlabel("key pruning ratio λ")
     ax.set_ylabel("average score")
-    ax.set_title(f"Score vs pruning ratio ({eviction})")
+    ax.set_title(f"Score vs pruning ratio ({eviction}, budget {budget:g})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
