@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
@@ -34,3 +36,26 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, answer_pre
                                              add_generation_prompt=True)
         return tokenizer(text + answer_prefix, add_special_tokens=False)["input_ids"]
     return tokenizer(user_text + answer_prefix)["input_ids"]
+
+
+def read_jsonl(path: Path, required: tuple[str, ...], what: str, check=None) -> list[dict]:
+    """The records of every non-blank line; a line that is not valid JSON, lacks a ``required`` field or fails
+    ``check(record) -> error text | None`` raises ``ValueError`` naming the file and line (``what`` names the
+    record kind in the message)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+            missing = [k for k in required if k not in record] if isinstance(record, dict) else list(required)
+            if missing:
+                raise ValueError(f"{path}:{lineno}: {what} lacks field(s) {missing}")
+            problem = check(record) if check else None
+            if problem:
+                raise ValueError(f"{path}:{lineno}: {problem}")
+            records.append(record)
+    return records

@@ -8,10 +8,11 @@ import json
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from spark_bench.benchmarks.base import Sample
+from spark_bench.benchmarks.base import Sample, read_jsonl
 
 FIELDS = tuple(f.name for f in fields(Sample))
 TUPLE_FIELDS = ("input_ids", "answers", "stop_token_ids")
+REQUIRED = ("task", "id", "input_ids", "answers", "max_new_tokens", "metric")
 
 
 def write_samples(samples: list[Sample], path: Path, tokenizer=None) -> None:
@@ -33,18 +34,8 @@ def read_samples(path: str | Path) -> list[Sample]:
     if not file.is_file():
         raise FileNotFoundError(f"benchmark.data_file: {path} does not exist")
     samples = []
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{file}:{lineno}: not valid JSON ({err.msg})") from None
-            missing = [k for k in ("task", "id", "input_ids", "answers", "max_new_tokens", "metric") if k not in record]
-            if missing:
-                raise ValueError(f"{file}:{lineno}: sample lacks field(s) {missing}")
-            values = {k: record[k] for k in FIELDS if k in record}
-            values.update({k: tuple(values[k]) for k in TUPLE_FIELDS if k in values})
-            samples.append(Sample(**values))
+    for record in read_jsonl(file, REQUIRED, "sample"):
+        values = {k: record[k] for k in FIELDS if k in record}
+        values.update({k: tuple(values[k]) for k in TUPLE_FIELDS if k in values})
+        samples.append(Sample(**values))
     return samples

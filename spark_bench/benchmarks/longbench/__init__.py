@@ -15,11 +15,10 @@ longer runs).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from spark_bench.benchmarks.base import Sample, encode_prompt
+from spark_bench.benchmarks.base import Sample, encode_prompt, read_jsonl
 from spark_bench.models import LoadedModel
 
 _QA_MULTI = ("Answer the question based on the given passages. Only give me the answer and do not output any other "
@@ -109,23 +108,9 @@ LONGBENCH_E_TASKS = ("qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_r
 REQUIRED_FIELDS = ("input", "context", "answers")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            missing = [k for k in REQUIRED_FIELDS if k not in record] if isinstance(record, dict) else REQUIRED_FIELDS
-            if missing:
-                raise ValueError(f"{path}:{lineno}: LongBench record lacks field(s) {list(missing)}")
-            if not isinstance(record["answers"], list):
-                raise ValueError(f"{path}:{lineno}: 'answers' must be a list, got {type(record['answers']).__name__}")
-            records.append(record)
-    return records
+def _answers_are_a_list(record: dict) -> str | None:
+    answers = record["answers"]
+    return None if isinstance(answers, list) else f"'answers' must be a list, got {type(answers).__name__}"
 
 
 def read_records(task: str, data_dir: str | None, e: bool = False, hub_path: str = "Xnhyacinth/LongBench") -> list[dict]:
@@ -140,7 +125,7 @@ def read_records(task: str, data_dir: str | None, e: bool = False, hub_path: str
         found = sorted(p.name for p in Path(data_dir).glob("*.jsonl")) if Path(data_dir).is_dir() else []
         raise FileNotFoundError(f"longbench.data_dir: no {path.name} in {data_dir} "
                                 f"({'found: ' + ', '.join(found) if found else 'no .jsonl files there'})")
-    return _read_jsonl(path)
+    return read_jsonl(path, REQUIRED_FIELDS, "LongBench record", _answers_are_a_list)
 
 
 def build_sample(task: str, record: dict, index: int, lm: LoadedModel, max_length: int,

@@ -15,7 +15,7 @@ from functools import lru_cache
 from transformers import PreTrainedTokenizerBase
 
 from spark_bench.benchmarks.base import encode_prompt
-from spark_bench.benchmarks.ruler.fit import largest_fitting, make_sample
+from spark_bench.benchmarks.ruler.fit import largest_fitting, make_sample, shrink_to_fit
 
 TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones "
             "that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?")
@@ -68,12 +68,8 @@ def generate_cwe(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: i
         raise ValueError(f"RULER cwe: length {length} is too short for the few-shot example and 10 words")
     samples = []
     for index in range(num_samples):
-        used = units
-        while True:
-            ids, answer = encode(used, random.Random(f"{seed}-cwe-{index}"))
-            if len(ids) <= budget or used - step < NUM_CW:
-                break
-            used -= step
+        ids, answer, used = shrink_to_fit(lambda n: encode(n, random.Random(f"{seed}-cwe-{index}")), units, step,
+                                          budget, least=NUM_CW)
         samples.append(make_sample("cwe", index, ids, answer, TOKENS_TO_GENERATE, max_new_tokens,
                                    "string_match_all", haystack="wonderwords", num_words=used))
     return samples

@@ -19,6 +19,17 @@ def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 20) -> int:
     return lo
 
 
+def shrink_to_fit(encode: Callable[[int], tuple[list[int], list[str]]], count: int, step: int, budget: int,
+                  least: int = 1) -> tuple[list[int], list[str], int]:
+    """RULER's per-sample loop: ``encode(count)`` and drop one increment of haystack while the prompt is longer than
+    ``budget``, never going below ``least`` units; ``(ids, answers, count used)``."""
+    while True:
+        ids, answers = encode(count)
+        if len(ids) <= budget or count - step < least:
+            return ids, answers, count
+        count -= step
+
+
 def make_sample(task: str, index: int, ids: list[int], answers, tokens_to_generate: int,
                 max_new_tokens: int | None, metric: str, **meta) -> "Sample":
     from spark_bench.benchmarks.base import Sample

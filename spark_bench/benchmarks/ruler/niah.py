@@ -19,7 +19,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from spark_bench.benchmarks.base import Sample, encode_prompt
-from spark_bench.benchmarks.ruler.fit import largest_fitting
+from spark_bench.benchmarks.ruler.fit import largest_fitting, shrink_to_fit
 from spark_bench.benchmarks.ruler.haystack import NOISE, corpus_name, essay_words, split_sentences
 
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
@@ -148,13 +148,8 @@ def generate_niah(name: str, tokenizer: PreTrainedTokenizerBase, length: int, nu
 
     samples = []
     for index in range(num_samples):
-        units = found
-        while True:
-            rng = random.Random(f"{seed}-{name}-{index}")
-            ids, answers = encode(units, rng)
-            if len(ids) <= budget or units <= step:
-                break
-            units -= step
+        ids, answers, units = shrink_to_fit(lambda n: encode(n, random.Random(f"{seed}-{name}-{index}")), found,
+                                            step, budget)
         samples.append(Sample(task=name, id=f"{name}-{index}", input_ids=tuple(ids), answers=tuple(answers),
                               max_new_tokens=max_new_tokens or TOKENS_TO_GENERATE, metric="string_match_all",
                               meta={"haystack": corpus_name(essay_file) if task.haystack == "essay" else task.haystack,

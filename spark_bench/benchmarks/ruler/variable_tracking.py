@@ -15,7 +15,7 @@ import string
 from transformers import PreTrainedTokenizerBase
 
 from spark_bench.benchmarks.base import encode_prompt
-from spark_bench.benchmarks.ruler.fit import largest_fitting, make_sample
+from spark_bench.benchmarks.ruler.fit import largest_fitting, make_sample, shrink_to_fit
 from spark_bench.benchmarks.ruler.haystack import NOISE
 
 TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
@@ -88,12 +88,8 @@ def generate_vt(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: in
         raise ValueError(f"RULER vt: length {length} is too short for the one-shot example and one step")
     samples = []
     for index in range(num_samples):
-        used = units
-        while True:
-            ids, answer = encode(used, random.Random(f"{seed}-vt-{index}"))
-            if len(ids) <= budget or used - step < least:
-                break
-            used -= step
+        ids, answer, used = shrink_to_fit(lambda n: encode(n, random.Random(f"{seed}-vt-{index}")), units, step,
+                                          budget, least=least)
         samples.append(make_sample("vt", index, ids, answer, TOKENS_TO_GENERATE, max_new_tokens,
                                    "string_match_all", haystack="noise", haystack_units=used))
     return samples
