@@ -62,8 +62,8 @@ def generate_cwe(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: i
         text, answer = _text(count, length, seed, rng)
         return encode_prompt(tokenizer, text, ANSWER_PREFIX, chat_template), answer
 
-    units = NUM_CW - 1 + largest_fitting(
-        lambda n: len(encode(NUM_CW - 1 + n, random.Random(f"{seed}-cwe-probe"))[0]) <= budget, limit - NUM_CW + 1)
+    units = largest_fitting(lambda n: len(encode(n, random.Random(f"{seed}-cwe-probe"))[0]) <= budget, limit,
+                            least=NUM_CW)
     if units < NUM_CW:
         raise ValueError(f"RULER cwe: length {length} is too short for the few-shot example and 10 words")
     samples = []

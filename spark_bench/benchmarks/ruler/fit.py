@@ -5,19 +5,19 @@ from __future__ import annotations
 from typing import Callable
 
 
-def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 20) -> int:
-    """Largest ``n`` in ``1 … limit`` with ``fits(n)`` (``fits`` monotone: true up to some point), or 0.
-
-    Exponential growth then binary search, as RULER's generators search their haystack sizes."""
+def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 20, least: int = 1) -> int:
+    """Largest ``n`` in ``least … limit`` with ``fits(n)`` (``fits`` monotone: true up to some point), or
+    ``least − 1`` when none fits. Exponential growth then binary search, as RULER's generators search their
+    haystack sizes; ``least`` is the smallest haystack a task can be built with."""
+    offset = least - 1
     lo, hi = 0, 1
-    while hi <= limit and fits(hi):
+    while hi <= limit - offset and fits(offset + hi):
         lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
+    hi = min(hi, limit - offset + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
+        lo, hi = (mid, hi) if fits(offset + mid) else (lo, mid)
+    return offset + lo
 
 def shrink_to_fit(encode: Callable[[int], tuple[list[int], list[str]]], count: int, step: int, budget: int,
                   least: int = 1) -> tuple[list[int], list[str], int]:

@@ -60,11 +60,11 @@ def _icl_example(tokenizer: PreTrainedTokenizerBase, rng: random.Random) -> str:
     """RULER's one-shot example: ≤ 500 tokens, answer appended, then names and value re-randomised."""
     least = NUM_HOPS + 1
 
-    def fits(n: int) -> bool:
-        text, prefix, _ = _text(least - 1 + n, random.Random(rng.random()), True)
+    def fits(count: int) -> bool:
+        text, prefix, _ = _text(count, random.Random(rng.random()), True)
         return len(tokenizer(text + prefix)["input_ids"]) <= 500
 
-    text, prefix, answer = _text(least - 1 + max(largest_fitting(fits, 1000), 1), rng, True)
+    text, prefix, answer = _text(max(largest_fitting(fits, 1000 + least - 1, least), least), rng, True)
     example = text + prefix + " " + " ".join(answer) + "\n"
     for name in example.strip().split()[-NUM_HOPS - 1:]:
         example = example.replace(name, "".join(rng.choices(string.ascii_uppercase, k=len(name))))
@@ -82,8 +82,7 @@ def generate_vt(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: in
         return encode_prompt(tokenizer, icl + text, prefix, chat_template), answer
 
     least = NUM_HOPS + 1  # the chain needs that many noise lines to sit between
-    units = least - 1 + largest_fitting(
-        lambda n: len(encode(least - 1 + n, random.Random(f"{seed}-vt-probe"))[0]) <= budget)
+    units = largest_fitting(lambda n: len(encode(n, random.Random(f"{seed}-vt-probe"))[0]) <= budget, least=least)
     if units < least:
         raise ValueError(f"RULER vt: length {length} is too short for the one-shot example and one step")
     samples = []
