@@ -22,15 +22,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from spark_bench.benchmarks.export import read_samples, write_samples
-from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS, TASKS as LONGBENCH_TASKS, load_longbench, read_records
-from spark_bench.benchmarks.ruler import RULER_TASKS, load_ruler
-from spark_bench.methods import MethodConfig
-from spark_bench.models import ModelConfig, load_model
-from spark_bench.results import ResultsMismatch
-from spark_bench.runner import default_payload, run_sweep
+from spark_bench import hub
+from spark_bench.models import ModelConfig, load_model, resolve_sources
 
-METHOD_OPTIONS = tuple(f.name for f in fields(MethodConfig) if f.name != "name")  # top-level config keys
+# torch / transformers / the method and benchmark modules are imported inside the functions that need them, after
+# the cheap checks (config group names, model and data sources), so a missing model fails in about a second.
 WINDOWED = ("snapkv", "pyramidkv", "adasnapkv")   # evictions that always keep the observation window
 SINKED = ("streamingllm", "expected_attention")   # evictions that always keep n_sink tokens
 
@@ -39,10 +35,19 @@ class ConfigError(ValueError):
     """Bad user input: reported as one line, exit code 2."""
 
 
+def method_options() -> tuple[str, ...]:
+    """The method options that are also top-level config keys (every :class:`MethodConfig` field but ``name``)."""
+    from spark_bench.methods import MethodConfig
+
+    return tuple(f.name for f in fields(MethodConfig) if f.name != "name")
+
+
 def method_configs(cfg: DictConfig) -> list[MethodConfig]:
     """``method=`` selects one config built from the top-level options; otherwise every ``sweep.configs``
     entry, each overriding the top-level options."""
-    base = {k: cfg[k] for k in METHOD_OPTIONS}
+    from spark_bench.methods import MethodConfig
+
+    base = {k: cfg[k] for k in method_options()}
     entries = [{"name": cfg.method.name}] if cfg.get("method") else OmegaConf.to_container(cfg.sweep.configs)
     out = []
     for i, entry in enumerate(entries):
@@ -78,9 +83,28 @@ def _check_file(key: str, path) -> None:
         raise ConfigError(f"{key}: {path} does not exist")
 
 
-def validate(cfg: DictConfig) -> tuple[ModelConfig, list[MethodConfig]]:
-    """Everything that can be checked without the model; raises :class:`ConfigError`."""
-    configs, model = method_configs(cfg), model_config(cfg)
+def validate(cfg: DictConfig, sources: bool = True) -> tuple[ModelConfig, list[MethodConfig]]:
+    """Everything that can be checked without the model; raises :class:`ConfigError`.
+
+    ``sources``: also resolve where the model and the data come from (:mod:`spark_bench.hub`: a local directory,
+    the hub cache, or a reachable hub), failing within seconds when one is missing. Dry runs only report it.
+    """
+    try:
+        return _validate(cfg, sources)
+    except hub.HubUnavailable as err:
+        raise ConfigError(str(err)) from None
+
+
+def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodConfig]]:
+    model = model_config(cfg)
+    if sources:  # first, and before torch is imported: a missing model is reported within seconds
+        model = resolve_sources(model)
+    from spark_bench.benchmarks.export import read_samples
+    from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS, TASKS as LONGBENCH_TASKS, hub_source, \
+        read_records
+    from spark_bench.benchmarks.ruler import RULER_TASKS, check_qa_sources
+
+    configs = method_configs(cfg)
     parse_shard(cfg.get("shard"))
     b = cfg.benchmark
     if b.name not in BENCHMARKS:
@@ -100,6 +124,8 @@ def validate(cfg: DictConfig) -> tuple[ModelConfig, list[MethodConfig]]:
             raise ConfigError(f"benchmark.length={b.length} exceeds model {model.name} max_length={model.max_length}")
         for key in ("essay_file", "squad_file", "hotpotqa_file"):
             _check_file(f"ruler.{key}", cfg.ruler.get(key))
+        if sources:
+            check_qa_sources(b.tasks, cfg.ruler.squad_file, cfg.ruler.hotpotqa_file)
     else:
         valid = LONGBENCH_E_TASKS if cfg.longbench.e else tuple(LONGBENCH_TASKS)
         unknown = [t for t in b.tasks if t not in valid]
@@ -113,6 +139,8 @@ def validate(cfg: DictConfig) -> tuple[ModelConfig, list[MethodConfig]]:
                     read_records(task, cfg.longbench.data_dir, cfg.longbench.e)
                 except (ValueError, FileNotFoundError) as err:
                     raise ConfigError(str(err)) from None
+        elif sources:
+            hub_source(cfg.longbench.hub_path)
     length = b.get("length")
     for i, c in enumerate(configs):
         where = "method" if cfg.get("method") else f"sweep.configs[{i}]"
@@ -127,13 +155,27 @@ def validate(cfg: DictConfig) -> tuple[ModelConfig, list[MethodConfig]]:
     return model, configs
 
 
+def source_lines(cfg: DictConfig, model: ModelConfig) -> list[str]:
+    """Where a run would read its model and hub data from (dry runs print this instead of failing)."""
+    lines = []
+    if model.source == "hub":
+        lines.append(f"model {model.name}: {hub.describe(model.path, 'model')}")
+    if not cfg.benchmark.get("data_file") and cfg.benchmark.name == "longbench" and cfg.longbench.data_dir is None:
+        lines.append(f"LongBench data: {hub.describe(cfg.longbench.hub_path, 'dataset')}")
+    return lines
+
+
 def _ruler(cfg: DictConfig, lm):
+    from spark_bench.benchmarks.ruler import load_ruler
+
     b, src = cfg.benchmark, cfg.ruler
     return load_ruler(list(b.tasks), b.length, b.num_samples, b.seed, lm, b.get("max_new_tokens"),
                       essay_file=src.essay_file, squad_file=src.squad_file, hotpotqa_file=src.hotpotqa_file)
 
 
 def _longbench(cfg: DictConfig, lm):
+    from spark_bench.benchmarks.longbench import load_longbench
+
     src = cfg.longbench
     return load_longbench(list(cfg.benchmark.tasks), lm, data_dir=src.data_dir, num_samples=cfg.benchmark.num_samples,
                           e=src.e, max_length=src.max_length, hub_path=src.hub_path, rouge_backend=src.rouge_backend)
@@ -143,6 +185,8 @@ BENCHMARKS = {"ruler": _ruler, "longbench": _longbench}
 
 
 def load_samples(cfg: DictConfig, lm):
+    from spark_bench.benchmarks.export import read_samples
+
     if cfg.benchmark.get("data_file"):  # samples exported by spark-bench-export: rerun exactly
         samples = read_samples(cfg.benchmark.data_file)
     else:
@@ -161,17 +205,24 @@ def output_dir(cfg: DictConfig) -> Path:
 
 def run_payload(cfg: DictConfig, lm, samples, configs) -> dict:
     """The results directory's fingerprint: configs, model, samples, benchmark settings and shard."""
+    from spark_bench.runner import default_payload
+
     keep = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "benchmark", "longbench", "ruler")}
     return {**default_payload(lm, samples, configs), **keep, "shard": cfg.get("shard")}
 
 
 def run(cfg: DictConfig, out_dir: Path) -> None:
-    model_cfg, configs = validate(cfg)
+    model_cfg, configs = validate(cfg, sources=not cfg.get("dry_run"))
     if cfg.get("dry_run"):
         tasks = "data_file" if cfg.benchmark.get("data_file") else ", ".join(cfg.benchmark.tasks)
         print(f"spark-bench (dry run): {model_cfg.name} on {cfg.benchmark.name} [{tasks}] × {len(configs)} method "
               f"configs → {out_dir}\n" + "\n".join(f"  {c.label}" for c in configs), flush=True)
+        for line in source_lines(cfg, model_cfg):
+            print(f"  source: {line}", flush=True)
         return
+    from spark_bench.results import ResultsMismatch
+    from spark_bench.runner import run_sweep
+
     start = time.perf_counter()
     lm = load_model(model_cfg, cfg.device)
     try:
@@ -194,7 +245,28 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # repository-level conf/ (editable install)
 
 
-def _fail(tool: str, cfg: DictConfig, err: Exception) -> None:
+CONFIG_GROUPS = ("model", "benchmark", "method", "sweep", "experiment")  # conf/<group>/<name>.yaml
+
+
+def check_group_choices(argv: list[str]) -> None:
+    """Unknown ``group=name`` overrides (``model=``, ``method=``, ``benchmark=``, ``sweep=``, ``+experiment=``,
+    comma lists included) raise :class:`ConfigError` listing the valid names, before Hydra composes anything
+    (Hydra itself would print a multi-line message and exit 1)."""
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        group = key.lstrip("+~")
+        if group not in CONFIG_GROUPS or value in ("", "null") or any(c in value for c in "()[]{}$"):
+            continue
+        valid = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        unknown = [name for name in value.split(",") if name not in valid]
+        if unknown:
+            raise ConfigError(f"{group}={','.join(unknown)}: no such {group} config (conf/{group}/); "
+                              f"valid: {', '.join(valid)}")
+
+
+def _fail(tool: str, cfg: DictConfig | None, err: Exception) -> None:
     if HydraConfig.initialized() and HydraConfig.get().verbose:  # hydra.verbose=true: show the traceback
         raise err
     print(f"{tool}: error: {err}", file=sys.stderr)
@@ -209,8 +281,16 @@ def _hydra_main(cfg: DictConfig) -> None:
         _fail("spark-bench", cfg, err)
 
 
+def _checked(tool: str, entry) -> None:
+    try:
+        check_group_choices(sys.argv[1:])
+    except ConfigError as err:
+        _fail(tool, None, err)
+    entry()
+
+
 def main() -> None:
-    _hydra_main()
+    _checked("spark-bench", _hydra_main)
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
@@ -222,13 +302,15 @@ def _hydra_export(cfg: DictConfig) -> None:
         samples = load_samples(cfg, lm)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         _fail("spark-bench-export", cfg, err)
+    from spark_bench.benchmarks.export import write_samples
+
     path = Path(cfg.get("export_path") or output_dir(cfg) / "samples.jsonl")
     write_samples(samples, path, lm.tokenizer)
     print(f"spark-bench-export: {len(samples)} samples of {cfg.benchmark.name} → {path}")
 
 
 def export() -> None:
-    _hydra_export()
+    _checked("spark-bench-export", _hydra_export)
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
@@ -249,7 +331,7 @@ def _hydra_memory(cfg: DictConfig) -> None:
 
 
 def memory() -> None:
-    _hydra_memory()
+    _checked("spark-bench-memory", _hydra_memory)
 
 
 def merge(argv: list[str] | None = None) -> None:

@@ -4,12 +4,16 @@ weights from a small config for tests. One :class:`ModelConfig` per ``conf/model
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from spark_bench import hub
+
+if TYPE_CHECKING:  # torch and transformers load lazily: the CLI resolves models and fails fast without them
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 SOURCES = ("hub", "gguf", "random")
 
@@ -87,6 +91,8 @@ def gguf_location(path: str, package: str | None) -> tuple[str, str]:
 
 @lru_cache(maxsize=4)
 def _load_tokenizer(source: str, path: str, package: str | None) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     if source == "gguf":
         directory, file = gguf_location(path, package)
         return AutoTokenizer.from_pretrained(directory, gguf_file=file)
@@ -102,6 +108,26 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return _load_tokenizer(cfg.source, cfg.path, cfg.package)
 
 
+def resolve_sources(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with every hub id it loads (the model, a random model's tokenizer) replaced by a local directory
+    when one exists (a directory path, or the snapshot in the hub cache), so a cached model runs with no network.
+
+    Raises :class:`~spark_bench.hub.HubUnavailable` (one line naming the model id and ``model.path``) when a hub
+    model is neither on disk nor reachable; see :mod:`spark_bench.hub`.
+    """
+    def where(repo_id: str, key: str) -> str:
+        return hub.resolve(repo_id, "model", f"model {cfg.name}",
+                           f"set {key}=/local/dir (a directory with config.json), or download it once with "
+                           f"`hf download {repo_id}` into the hub cache (HF_HUB_CACHE / HF_HOME) and run with "
+                           f"HF_HUB_OFFLINE=1")
+
+    if cfg.source == "hub":
+        cfg = replace(cfg, path=where(cfg.path, "model.path"))
+    if cfg.source == "random" and cfg.tokenizer and cfg.tokenizer.get("source") == "hub":
+        cfg = replace(cfg, tokenizer={**cfg.tokenizer, "path": where(cfg.tokenizer["path"], "model.tokenizer.path")})
+    return cfg
+
+
 def load_model(cfg: ModelConfig, device: str = "auto") -> LoadedModel:
     try:
         return _load_model(cfg, device)
@@ -110,6 +136,10 @@ def load_model(cfg: ModelConfig, device: str = "auto") -> LoadedModel:
 
 
 def _load_model(cfg: ModelConfig, device: str) -> LoadedModel:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = resolve_sources(cfg)
     dtype = getattr(torch, cfg.dtype)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

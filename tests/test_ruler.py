@@ -9,7 +9,6 @@ import pytest
 
 from spark_bench.benchmarks.export import read_samples, write_samples
 from spark_bench.benchmarks.ruler import RULER_TASKS, load_ruler
-from spark_bench.benchmarks.ruler import qa as qa_module
 from spark_bench.benchmarks.ruler.freq_words import zeta
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ruler"
@@ -73,15 +72,14 @@ def test_qa_from_official_files(tiny_lm):
     assert "Who painted it pink" not in tiny_lm.tokenizer.decode(samples[0].input_ids)  # unanswerable dropped
 
 
-def test_qa_without_data_is_skipped_with_a_message(tiny_lm, monkeypatch):
-    def offline(dataset):
-        raise ConnectionError("hub unreachable")
+def test_qa_without_data_stops_with_the_key_to_set(tiny_lm, monkeypatch, tmp_path):
+    from spark_bench.hub import HubUnavailable
 
-    monkeypatch.setattr(qa_module, "_from_hub", offline)
-    messages = []
-    samples = load_ruler(["niah_single_1", "qa_1"], 512, 1, 0, tiny_lm, log=messages.append)
-    assert [s.task for s in samples] == ["niah_single_1"]
-    assert len(messages) == 1 and "skipping RULER qa_1" in messages[0] and "ruler.squad_file" in messages[0]
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(HubUnavailable, match=r"RULER squad data \(qa_1\): rajpurkar/squad_v2 is not on disk.*"
+                                             r"set ruler.squad_file="):
+        load_ruler(["niah_single_1", "qa_1"], 512, 1, 0, tiny_lm)
     with pytest.raises(FileNotFoundError, match="ruler.squad_file: /nope.json does not exist"):
         load_ruler(["qa_1"], 512, 1, 0, tiny_lm, squad_file="/nope.json")
 
@@ -106,7 +104,8 @@ def test_export_roundtrip(tiny_lm, tmp_path):
 
 
 def test_cli_ruler_all_tasks_end_to_end(tmp_path):
-    """``spark-bench benchmark=ruler_all`` on tiny-llama: every offline task runs; qa is skipped with a message."""
+    """``spark-bench benchmark=ruler_all`` on tiny-llama with the qa tasks left out (they need data): every offline
+    task runs."""
     import os
     import subprocess
     import sys
@@ -114,9 +113,9 @@ def test_cli_ruler_all_tasks_end_to_end(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "benchmark=ruler_all", "benchmark.length=1536",
+         f"benchmark.tasks=[{','.join(OFFLINE)}]",
          "benchmark.num_samples=1", "benchmark.max_new_tokens=4", "method=snapkv+spark", "ratio=0.8", "budget=0.5",
          f"output_root={tmp_path}", "run=ruler"], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "skipping RULER qa_1" in out.stdout and "skipping RULER qa_2" in out.stdout
     rows = [json.loads(line) for line in (tmp_path / "ruler" / "predictions.jsonl").read_text().splitlines()]
     assert sorted(r["task"] for r in rows) == sorted(OFFLINE)

@@ -103,7 +103,7 @@ def test_cli_multirun_end_to_end(tmp_path):
 def test_cli_unknown_method_lists_valid_ones(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "method=bogus", f"output_root={tmp_path}"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "snapkv+spark" in proc.stderr and "bogus" in proc.stderr
     assert not any(tmp_path.iterdir())
 

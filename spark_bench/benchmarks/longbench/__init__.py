@@ -113,13 +113,24 @@ def _answers_are_a_list(record: dict) -> str | None:
     return None if isinstance(answers, list) else f"'answers' must be a list, got {type(answers).__name__}"
 
 
+def hub_source(hub_path: str) -> str:
+    """Where the hub mirror is read from: a local directory, its snapshot in the hub cache, or the hub id when the
+    hub is reachable; else :class:`~spark_bench.hub.HubUnavailable` naming ``longbench.data_dir``."""
+    from spark_bench import hub
+
+    return hub.resolve(hub_path, "dataset", "LongBench data (longbench.data_dir is not set)",
+                       f"set longbench.data_dir=DIR (the official <task>.jsonl files, e.g. THUDM/LongBench's "
+                       f"data.zip unpacked), or download the mirror once with `hf download {hub_path} --repo-type "
+                       f"dataset` (or set longbench.hub_path= to a local copy)")
+
+
 def read_records(task: str, data_dir: str | None, e: bool = False, hub_path: str = "Xnhyacinth/LongBench") -> list[dict]:
     """The task's records from ``data_dir/<task>[_e].jsonl``, or from the hub mirror when ``data_dir`` is None."""
     name = f"{task}_e" if e else task
     if data_dir is None:
         from datasets import load_dataset
 
-        return [dict(r) for r in load_dataset(hub_path, name, split="test")]
+        return [dict(r) for r in load_dataset(hub_source(hub_path), name, split="test")]
     path = Path(data_dir) / f"{name}.jsonl"
     if not path.is_file():
         found = sorted(p.name for p in Path(data_dir).glob("*.jsonl")) if Path(data_dir).is_dir() else []

@@ -2,18 +2,16 @@
 
 One module per task family: ``niah`` (8 needle tasks), ``variable_tracking`` (vt), ``common_words`` (cwe),
 ``freq_words`` (fwe), ``qa`` (qa_1 SQuAD, qa_2 HotpotQA). Everything but qa is generated offline; qa needs the
-SQuAD/HotpotQA files or the hub, and is skipped with a message when neither is available.
+SQuAD/HotpotQA files or the hub (cache or network); without them the run stops before it starts, naming the key.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.ruler.common_words import generate_cwe
 from spark_bench.benchmarks.ruler.freq_words import generate_fwe
 from spark_bench.benchmarks.ruler.niah import NIAH_TASKS, generate_niah
-from spark_bench.benchmarks.ruler.qa import QADataUnavailable, generate_qa, load_qa
+from spark_bench.benchmarks.ruler.qa import generate_qa, hub_source, load_qa
 from spark_bench.benchmarks.ruler.variable_tracking import generate_vt
 from spark_bench.models import LoadedModel
 
@@ -21,9 +19,17 @@ QA_TASKS = {"qa_1": "squad", "qa_2": "hotpotqa"}
 RULER_TASKS = (*NIAH_TASKS, "vt", "cwe", "fwe", *QA_TASKS)
 
 
+def check_qa_sources(tasks, squad_file: str | None, hotpotqa_file: str | None) -> None:
+    """Before anything runs: every requested qa task has its file or a usable hub copy (else HubUnavailable)."""
+    files = {"squad": squad_file, "hotpotqa": hotpotqa_file}
+    for task in tasks:
+        if task in QA_TASKS and files[QA_TASKS[task]] is None:
+            hub_source(QA_TASKS[task])
+
+
 def load_ruler(tasks, length: int, num_samples: int, seed: int, lm: LoadedModel,
                max_new_tokens: int | None = None, essay_file: str | None = None, squad_file: str | None = None,
-               hotpotqa_file: str | None = None, log: Callable[[str], None] = print) -> list[Sample]:
+               hotpotqa_file: str | None = None) -> list[Sample]:
     unknown = [t for t in tasks if t not in RULER_TASKS]
     if unknown:
         raise ValueError(f"unknown RULER task(s) {unknown}; valid: {', '.join(RULER_TASKS)}")
@@ -38,12 +44,7 @@ def load_ruler(tasks, length: int, num_samples: int, seed: int, lm: LoadedModel,
             samples += generate_niah(task, essay_file=essay_file, **common)
         elif task in QA_TASKS:
             dataset = QA_TASKS[task]
-            try:
-                source = load_qa(dataset, qa_files[dataset])
-            except QADataUnavailable as err:
-                log(f"spark-bench: skipping RULER {task}: no {dataset} data (set ruler.{dataset}_file= to the "
-                    f"official file, or run with network for the hub copy) [{err}]")
-                continue
+            source = load_qa(dataset, qa_files[dataset])
             samples += generate_qa(task, dataset, source, **common)
         else:
             samples += {"vt": generate_vt, "cwe": generate_cwe, "fwe": generate_fwe}[task](**common)
