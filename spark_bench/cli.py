@@ -106,6 +106,11 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
 
     configs = method_configs(cfg)
     parse_shard(cfg.get("shard"))
+    decode_batch = cfg.get("decode_batch")
+    if decode_batch is not None and (isinstance(decode_batch, bool) or not isinstance(decode_batch, int)
+                                     or decode_batch < 1):
+        raise ConfigError(f"decode_batch must be a positive integer (method configs decoded together per sample) "
+                          f"or null (all of them), got {decode_batch!r}")
     b = cfg.benchmark
     if b.name not in BENCHMARKS:
         raise ConfigError(f"benchmark.name={b.name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
@@ -234,7 +239,8 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
           f"{len(configs)} method configs → {out_dir}", flush=True)
     try:
         run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True), payload=payload,
-                  progress=bool(cfg.get("progress", True)) and sys.stderr.isatty())
+                  progress=bool(cfg.get("progress", True)) and sys.stderr.isatty(),
+                  decode_batch=cfg.get("decode_batch"))
     except ResultsMismatch as err:
         raise ConfigError(str(err)) from None
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.metrics import score
-from spark_bench.engine.decode import greedy_decode
+from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.engine.prefill import run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.pipeline import kept_key_fraction
@@ -40,11 +40,13 @@ class Prediction:
     key_ratio: float  # achieved key pruning ratio over the stored tokens (paper's "Overall Ratio")
     prefill_s: float
     compress_s: float
-    decode_s: float
+    decode_s: float  # this config's share of the batched decode forwards (wall time / rows in the batch, per step)
 
 
-def run_sample(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> list[Prediction]:
-    """Prefill ``sample`` once, then compress + decode + score it under every pipeline."""
+def run_sample(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline],
+               decode_batch: int | None = None) -> list[Prediction]:
+    """Prefill ``sample`` once, then compress it under every pipeline and decode the compressed caches together,
+    ``decode_batch`` rows per batch (None: all pipelines in one batch; 1: one at a time), then score."""
     window = max([p.config.window_size for p in pipelines] + [1])
     specs = {p.query_stats for p in pipelines} - {None}
     if len(specs) > 1:
@@ -52,22 +54,23 @@ def run_sample(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> li
     input_ids = torch.tensor([sample.input_ids], device=lm.device)
     prefill = run_prefill(lm.model, input_ids, window, query_stats=next(iter(specs), None))
     full_bytes = prefill.dense_kv_bytes()
+    stops = lm.stop_token_ids | set(sample.stop_token_ids)
+    size = decode_batch or len(pipelines)
     out, selections = [], {}
-    for pipeline in pipelines:
-        cache, compress_s = pipeline.build_cache(prefill, selections=selections)
-        kv_bytes = cache.nbytes()
-        start = time.perf_counter()
-        tokens = greedy_decode(lm.model, cache, prefill.first_logits, prefill.prompt_length,
-                               sample.max_new_tokens, lm.stop_token_ids | set(sample.stop_token_ids),
-                               sample.min_new_tokens)
-        decode_s = time.perf_counter() - start
-        text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
-        out.append(Prediction(
-            config=pipeline.config.label, method=pipeline.config.to_dict(), task=sample.task, id=sample.id,
-            prompt_length=prefill.prompt_length, prediction=text, tokens=tokens, answers=list(sample.answers),
-            score=score(sample.metric, text, sample.answers, **sample.metric_args), kv_bytes=kv_bytes, kv_bytes_full=full_bytes,
-            key_ratio=round(1 - kept_key_fraction(cache), 6),
-            prefill_s=prefill.seconds, compress_s=compress_s, decode_s=decode_s))
+    for chunk in (pipelines[i:i + size] for i in range(0, len(pipelines), size)):
+        built = [pipeline.build_cache(prefill, selections=selections) for pipeline in chunk]
+        rows = [DecodeRow(cache, prefill.first_logits, prefill.prompt_length, sample.max_new_tokens, stops,
+                          sample.min_new_tokens) for cache, _ in built]
+        measured = [(cache.nbytes(), round(1 - kept_key_fraction(cache), 6)) for cache, _ in built]
+        decode_rows(lm.model, rows)
+        for pipeline, (_, compress_s), row, (kv_bytes, key_ratio) in zip(chunk, built, rows, measured):
+            text = lm.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            out.append(Prediction(
+                config=pipeline.config.label, method=pipeline.config.to_dict(), task=sample.task, id=sample.id,
+                prompt_length=prefill.prompt_length, prediction=text, tokens=row.tokens, answers=list(sample.answers),
+                score=score(sample.metric, text, sample.answers, **sample.metric_args), kv_bytes=kv_bytes,
+                kv_bytes_full=full_bytes, key_ratio=key_ratio, prefill_s=prefill.seconds, compress_s=compress_s,
+                decode_s=row.forward_s))
     return out
 
 
@@ -79,9 +82,13 @@ def default_payload(lm: LoadedModel, samples: list[Sample], configs: list[Method
 
 
 def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig], out_dir: Path,
-              log=print, payload: dict | None = None, progress: bool = False) -> pd.DataFrame:
+              log=print, payload: dict | None = None, progress: bool = False,
+              decode_batch: int | None = None) -> pd.DataFrame:
     """Run every config on every sample into ``out_dir`` (``predictions.jsonl``, ``timings.jsonl``, ``scores.csv``,
-    ``table.md``). Finished (sample, config) pairs already in ``out_dir`` are kept, not recomputed."""
+    ``table.md``). Finished (sample, config) pairs already in ``out_dir`` are kept, not recomputed.
+    ``decode_batch``: method configs decoded together per sample (None = all; the tokens do not depend on it)."""
+    if decode_batch is not None and (not isinstance(decode_batch, int) or decode_batch < 1):
+        raise ValueError(f"decode_batch must be a positive integer or null (all configs), got {decode_batch!r}")
     labels = [c.label for c in configs]
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
@@ -102,7 +109,7 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
         todo = [p for p in pipelines if (sample.id, p.config.label) not in done]
         if not todo:
             continue
-        records = [p.__dict__ for p in run_sample(lm, sample, todo)]
+        records = [p.__dict__ for p in run_sample(lm, sample, todo, decode_batch)]
         results.append(records)
         for r in records:
             done[r["id"], r["config"]] = timing[r["id"], r["config"]] = r

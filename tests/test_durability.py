@@ -31,9 +31,10 @@ def _bad_longbench(tmp_path):
 
 
 BAD_INPUTS = {
-    "unknown model": (["model=nope"], "Could not find 'model/nope'"),
-    "unknown method": (["method=nope"], "Could not find 'method/nope'"),
-    "unknown benchmark": (["benchmark=nope"], "Could not find 'benchmark/nope'"),
+    "unknown model": (["model=nope"], "model=nope: no such model config (conf/model/); valid: llama3-8b"),
+    "unknown method": (["method=nope"], "method=nope: no such method config (conf/method/); valid: adasnapkv"),
+    "unknown benchmark": (["benchmark=nope"], "benchmark=nope: no such benchmark config (conf/benchmark/)"),
+    "decode_batch not positive": (["decode_batch=-1"], "decode_batch must be a positive integer"),
     "unknown task": (["benchmark.tasks=[niah_nope]"], "unknown RULER task(s) ['niah_nope']; valid: niah_single_1"),
     "ratio out of range": (["method=spark", "ratio=1.2"], "ratio must be in [0, 1), got 1.2"),
     "value_ratio out of range": (["method=spark", "value_ratio=-0.1"], "value_ratio must be in [0, 1)"),
@@ -58,7 +59,7 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, case):
     before = set(tmp_path.rglob("*"))
     base = ["model=tiny-llama"] if "benchmark=longbench" in args else BASE  # RULER-only keys don't apply
     out = cli([*base, *args, f"output_root={tmp_path / 'results'}"], cwd=tmp_path)
-    assert out.returncode != 0
+    assert out.returncode == 2
     assert message in out.stderr, out.stderr[-1500:]
     assert "Traceback" not in out.stderr
     assert set(tmp_path.rglob("*")) == before  # no results dir, no Hydra files, nothing

@@ -58,6 +58,31 @@ def main() -> None:
                   f"(goal < 5%, {verdict(s['harness_overhead_share'] < 0.05)}); without compression "
                   f"{100 * s['harness_overhead_share_excl_compress']:.1f}%; compression {s['compress_s']} s of "
                   f"{s['shared_sweep_s']} s."]
+    d = load("decode")
+    if d:
+        lines += ["", "## Batched decoding (decode_batch=1 vs every config of a sample in one batch)", "",
+                  f"{d['model']}, RULER needles at {d['length']} tokens, up to {d['max_new_tokens']} new tokens, "
+                  f"{d['threads']} torch threads; both modes in one process on the same samples.", "",
+                  "| sweep | configs × samples | wall, decode_batch=1 (s) | wall, batched (s) | speedup | decode tok/s "
+                  "1 → batched | harness share (excl. compression) | identical tokens |", "|---|---|---|---|---|---|---|---|"]
+        goals = {"demo": 2.5, "paper_shape": 4.0}
+        for name, goal in goals.items():
+            r = d[name]
+            one, all_ = r["decode_batch_1"], r["batched"]
+            lines.append(f"| {name} | {r['configs']} × {r['samples']} | {one['wall_s']} | {all_['wall_s']} | "
+                         f"**{r['speedup']}×** (goal ≥ {goal}, {verdict(r['speedup'] >= goal)}) | "
+                         f"{one['decode_tokens_per_s']} → {all_['decode_tokens_per_s']} | "
+                         f"{100 * all_['harness_share']:.1f}% ({100 * all_['harness_share_excl_compress']:.1f}%) | "
+                         f"{r['identical_tokens']} |")
+        lines.append("")
+        for name in ("step_demo", "step_paper_shape"):
+            st = d[name]
+            lines.append(f"- one batched step, {st['batch']} rows, {st['prompt_tokens']}-token prompt: compressed "
+                         f"caches {st['compressed_step_ms']} ms vs dense DynamicCache {st['dense_dynamic_cache_step_ms']}"
+                         f" ms → {st['ratio']}× (goal ≤ 1.2, {verdict(st['ratio'] <= 1.2)})")
+        lines.append(f"- harness share goal < 5%: demo {verdict(d['demo']['batched']['harness_share'] < 0.05)}, "
+                     f"paper_shape {verdict(d['paper_shape']['batched']['harness_share'] < 0.05)} (prefill and the "
+                     f"decode forwards, attention included, count as model time; compression counts as harness)")
     m = load("memory")
     if m:
         lines += ["", "## Memory planner (LLaMA-3.1-8B, 80 GiB, 8192 + 128 tokens)", "",

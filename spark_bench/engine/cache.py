@@ -9,14 +9,63 @@ dense reference path: rebuild keys and values, then run the model's usual SDPA).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
-from spark_bench.storage.stores import Store
+from spark_bench.storage.stores import DenseStore, Store
 
 ATTENTION_MODES = ("compact", "materialize")
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Softmax attention over one block of keys, un-normalised: ``out = Σ_j exp(s_j − m)·v_j``, ``norm = Σ_j
+    exp(s_j − m)``, ``m = max_j s_j`` (float32, per query row). Two blocks merge exactly (:func:`merge`): this is
+    how a row's compact prompt stores and the decoded tail — batched across rows — make one softmax."""
+
+    out: torch.Tensor   # (..., n_q, D) float32
+    norm: torch.Tensor  # (..., n_q, 1)
+    peak: torch.Tensor  # (..., n_q, 1)
+
+    @classmethod
+    def of(cls, scores: torch.Tensor, values: torch.Tensor) -> "Partial":
+        """``scores (..., n_q, S)`` (already scaled, −inf where masked) and ``values (..., S, D)``."""
+        peak = scores.amax(dim=-1, keepdim=True)  # finite: every block has a visible key per query row
+        weights = (scores - peak).exp_()
+        w = weights.to(values.dtype)
+        if w.shape[0] > 1 and values.shape[0] == 1:  # rows sharing one value tensor: fold them into the query dim
+            r, h, n, s = w.shape                      # (a broadcast matmul would copy the values once per row)
+            out = (w.transpose(0, 1).reshape(1, h, r * n, s) @ values).view(h, r, n, -1).transpose(0, 1)
+        else:
+            out = w @ values
+        return cls(out if out.dtype == torch.float32 else out.float(), weights.sum(dim=-1, keepdim=True), peak)
+
+
+def merge(parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
+    """Normalised attention output over the union of the parts' keys (log-sum-exp merge)."""
+    if len(parts) == 1:
+        return (parts[0].out / parts[0].norm).to(dtype)
+    peak = torch.maximum(parts[0].peak, parts[1].peak)
+    for p in parts[2:]:
+        peak = torch.maximum(peak, p.peak)
+    out = sum(p.out * (p.peak - peak).exp() for p in parts)
+    norm = sum(p.norm * (p.peak - peak).exp() for p in parts)
+    return (out / norm).to(dtype)
+
+
+def tail_attention(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_len: int) -> Partial:
+    """Attention of ``grouped (R, H, G·q, D)`` (scaled) queries over the decoded tail ``(R, H, t, D)``: the newest
+    ``q`` tokens are the tail's last ``q`` entries, causal among themselves."""
+    r, h, gq, _ = grouped.shape
+    t = keys.shape[-2]
+    scores = (grouped @ keys.transpose(-1, -2)).float()
+    if q_len > 1:  # query i (tail position t − q + i) sees tail keys 0 … t − q + i
+        causal = torch.ones(q_len, t, dtype=torch.bool, device=grouped.device).tril(t - q_len)
+        scores = scores.view(r, h, gq // q_len, q_len, t).masked_fill(~causal, float("-inf")).view(r, h, gq, t)
+    return Partial.of(scores, values)
 
 
 class StoredLayer(CacheLayerMixin):
@@ -62,42 +111,29 @@ class StoredLayer(CacheLayerMixin):
             values = torch.cat([values, self.tail_values], dim=-2)
         return keys, values
 
+    def prompt_scores(self, grouped: torch.Tensor, mode: str = "compact") -> torch.Tensor:
+        """``grouped (B, H_kv, G·q, D)`` (already scaled) queries · this layer's prompt keys → float32 scores,
+        −inf on padding (AdaKV). ``materialize``: the dense reference (rebuild the keys, then a plain matmul)."""
+        if mode == "materialize":
+            scores = (grouped @ self.key_store.materialize().to(grouped.dtype).transpose(-1, -2)).float()
+        else:
+            scores = self.key_store.logits(grouped).float()
+        valid = self.valid()
+        return scores if valid is None else scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+
     def attend(self, query: torch.Tensor, scaling: float, mode: str = "compact") -> torch.Tensor:
         """Attention of ``query (B, H_q, q, D)`` (the newest ``q`` tokens, already in the tail) over this layer.
 
-        Returns ``(B, q, H_q, D)`` like transformers' attention functions.
+        Returns ``(B, q, H_q, D)`` like transformers' attention functions. Same arithmetic as
+        :meth:`BatchedLayer.attend` (prompt part, tail part, :func:`merge`).
         """
         b, hq, q_len, d = query.shape
         h = self.value_store.shape[1]
-        group = hq // h
-        s, t = self.key_store.length, self.tail_length
-        # causal inside the tail: query i (position t − q_len + i) sees tail keys 0 … t − q_len + i
-        causal = torch.ones(q_len, t, dtype=torch.bool, device=query.device).tril(t - q_len)
-        valid = self.valid()
-        if mode == "materialize":
-            keys, values = self.materialized()
-            mask = torch.cat([torch.ones(q_len, s, dtype=torch.bool, device=query.device), causal], dim=-1)
-            mask = mask.expand(b, hq, q_len, s + t)
-            if valid is not None:
-                prompt = valid.repeat_interleave(group, dim=1).unsqueeze(2).expand(b, hq, q_len, s)
-                mask = torch.cat([prompt, mask[..., s:]], dim=-1)
-            out = F.scaled_dot_product_attention(query, keys.repeat_interleave(group, dim=1),
-                                                 values.repeat_interleave(group, dim=1), attn_mask=mask,
-                                                 scale=scaling)
-            return out.transpose(1, 2)
-        grouped = query.reshape(b, h, group * q_len, d)  # query head i uses kv-head i // group
-        logits = self.key_store.logits(grouped).float()
-        if valid is not None:
-            logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
-        if t:
-            tail = (grouped @ self.tail_keys.transpose(-1, -2)).float()
-            tail = tail.view(b, h, group, q_len, t).masked_fill(~causal, float("-inf")).view(b, h, group * q_len, t)
-            logits = torch.cat([logits, tail], dim=-1)
-        weights = (logits * scaling).softmax(dim=-1).to(query.dtype)
-        out = weights[..., :s] @ self.value_store.materialize()
-        if t:
-            out = out + weights[..., s:] @ self.tail_values
-        return out.view(b, hq, q_len, d).transpose(1, 2)
+        grouped = query.reshape(b, h, hq // h * q_len, d) * scaling  # query head i uses kv-head i // group
+        parts = [Partial.of(self.prompt_scores(grouped, mode), self.value_store.materialize())]
+        if self.tail_length:
+            parts.append(tail_attention(grouped, self.tail_keys, self.tail_values, q_len))
+        return merge(parts, query.dtype).reshape(b, hq, q_len, d).transpose(1, 2)
 
     def get_seq_length(self) -> int:
         return self.key_store.length + self.tail_length
@@ -128,3 +164,102 @@ class CompressedCache(Cache):
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+
+class BatchedLayer(CacheLayerMixin):
+    """One decoder layer of a decode batch: each row's compact prompt stores (its own :class:`StoredLayer`) plus
+    one preallocated tail buffer ``(R, H_kv, capacity, D)`` for the tokens the rows decode together.
+
+    Rows of a batch advance in lockstep (one token per step, or the same suffix length), so their tails always
+    have the same length and the tail part of attention is one batched matmul; only the prompt part runs per row,
+    over that row's compact stores (never rebuilt into dense keys unless ``mode="materialize"``).
+    """
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, rows: list[StoredLayer], capacity: int):
+        super().__init__()
+        self.rows = rows
+        first = rows[0].value_store
+        b, h, _, d = first.shape
+        device = (first.data if hasattr(first, "data") else first.kept).device  # DenseStore / UnstructuredStore
+        self.tail_keys = torch.empty(len(rows) * b, h, capacity, d, dtype=first.dtype, device=device)
+        self.tail_values = torch.empty_like(self.tail_keys)
+        self.length = 0
+        self.is_initialized = True
+        self._group_rows()
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: a batched layer is built initialised."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        if self.length + n > self.tail_keys.shape[-2]:
+            raise RuntimeError(f"decode tail capacity {self.tail_keys.shape[-2]} exceeded")
+        self.tail_keys[:, :, self.length:self.length + n] = key_states
+        self.tail_values[:, :, self.length:self.length + n] = value_states
+        self.length += n
+        return self.tail_keys[:, :, :self.length], self.tail_values[:, :, :self.length]
+
+    def _group_rows(self) -> None:
+        """Rows whose value store is the same dense tensor (configs sharing an eviction selection) form a group:
+        their prompt scores are stacked and the softmax and the ``weights @ values`` product run once per group."""
+        groups: dict = {}
+        for i, row in enumerate(self.rows):
+            store = row.value_store
+            groups.setdefault(id(store.data) if isinstance(store, DenseStore) else ("row", i), []).append(i)
+        self.groups = list(groups.values())
+        flat = [i for g in self.groups for i in g]
+        self.order = None if flat == sorted(flat) else torch.tensor(flat, device=self.tail_keys.device).argsort()
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop the rows not in ``rows`` (they stopped generating)."""
+        index = torch.tensor(rows, device=self.tail_keys.device)
+        self.rows = [self.rows[i] for i in rows]
+        self.tail_keys, self.tail_values = self.tail_keys[index], self.tail_values[index]
+        self._group_rows()
+
+    def attend(self, query: torch.Tensor, scaling: float, mode: str = "compact") -> torch.Tensor:
+        """``query (R, H_q, q, D)``, row ``r`` over row ``r``'s stores and tail → ``(R, q, H_q, D)``."""
+        r, hq, q_len, d = query.shape
+        h = self.tail_keys.shape[1]
+        grouped = query.reshape(r, h, hq // h * q_len, d) * scaling
+        parts = []
+        for group in self.groups:
+            scores = [self.rows[i].prompt_scores(grouped[i:i + 1], mode) for i in group]
+            parts.append(Partial.of(scores[0] if len(scores) == 1 else torch.cat(scores),
+                                    self.rows[group[0]].value_store.materialize()))
+        prompt = parts[0] if len(parts) == 1 else Partial(*(torch.cat(x) for x in zip(
+            *((p.out, p.norm, p.peak) for p in parts))))
+        if self.order is not None:
+            prompt = Partial(prompt.out[self.order], prompt.norm[self.order], prompt.peak[self.order])
+        tail = tail_attention(grouped, self.tail_keys[:, :, :self.length], self.tail_values[:, :, :self.length],
+                              q_len)
+        return merge([prompt, tail], query.dtype).reshape(r, hq, q_len, d).transpose(1, 2)
+
+    def get_seq_length(self) -> int:
+        return max(row.key_store.length for row in self.rows) + self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class BatchedCache(Cache):
+    """The rows of one decode batch (each a :class:`CompressedCache`, e.g. every method config of a sample), seen
+    by the model as one batch-``R`` cache. ``capacity``: most tokens any row will run through it."""
+
+    def __init__(self, caches: list[CompressedCache], capacity: int):
+        modes = {c.attention for c in caches}
+        if len(modes) != 1:
+            raise ValueError(f"one decode batch cannot mix attention modes {sorted(modes)}")
+        layers = [BatchedLayer([c.layers[i] for c in caches], capacity) for i in range(len(caches[0].layers))]
+        super().__init__(layers=layers)
+        self.attention = modes.pop()
+
+    def keep(self, rows: list[int]) -> None:
+        for layer in self.layers:
+            layer.keep(rows)

@@ -1,12 +1,21 @@
-"""Greedy decoding through the model's own forward pass with a (compressed) transformers cache."""
+"""Greedy decoding through the model's own forward pass, several compressed caches at once.
+
+Every method config of a sample is one *row*: one model forward per step serves all rows still generating
+(:class:`~spark_bench.engine.cache.BatchedCache`), each row attending over its own compressed stores. Rows leave the
+batch when they stop (a stop token, their own ``max_new_tokens``). Because a row's arithmetic does not depend on the
+other rows, batched decoding gives the tokens of one-row-at-a-time decoding (``decode_batch=1``), which tests check.
+"""
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from spark_bench.engine.attention import compressed_attention_enabled
-from spark_bench.engine.cache import CompressedCache
+from spark_bench.engine.cache import BatchedCache, CompressedCache
 
 
 def pick(logits: torch.Tensor, banned: frozenset[int] | set[int] = frozenset()) -> int:
@@ -17,34 +26,79 @@ def pick(logits: torch.Tensor, banned: frozenset[int] | set[int] = frozenset()) 
     return int(logits.argmax())
 
 
-@torch.inference_mode()
-def greedy_decode(model: nn.Module, cache: CompressedCache, first_logits: torch.Tensor, prompt_length: int,
-                  max_new_tokens: int, stop_token_ids: frozenset[int] | set[int],
-                  min_new_tokens: int = 0) -> list[int]:
-    """Generate up to ``max_new_tokens`` tokens (the first from the prefill's logits); the first
-    ``min_new_tokens`` tokens are never stop tokens.
+@dataclass
+class DecodeRow:
+    """One sequence to continue: its compressed cache, the logits of its next token, its next position.
 
     Positions continue from the original prompt length even when eviction shortened the cache, so RoPE phases
-    match the uncompressed model (as in kvpress / the official SparK code). Stop tokens are not returned.
-    Attention reads the compressed stores directly (:mod:`spark_bench.engine.attention`).
+    match the uncompressed model (as in kvpress / the official SparK code). Stop tokens are not returned; the first
+    ``min_new_tokens`` tokens are never stop tokens.
     """
-    tokens: list[int] = []
-    stops = frozenset(stop_token_ids)
-    token, position = pick(first_logits, stops if min_new_tokens > 0 else frozenset()), prompt_length
+
+    cache: CompressedCache
+    first_logits: torch.Tensor
+    position: int
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    min_new_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)
+    forward_s: float = 0.0  # this row's share of the batched forward passes (seconds)
+
+    def choose(self, logits: torch.Tensor) -> int:
+        return pick(logits, self.stop_token_ids if len(self.tokens) < self.min_new_tokens else frozenset())
+
+
+def _step_rows(rows: list[DecodeRow], pending: list[int]) -> list[int]:
+    """Append each pending token; return the indices of rows that need another forward pass."""
+    going = []
+    for i, (row, token) in enumerate(zip(rows, pending)):
+        if token in row.stop_token_ids:
+            continue
+        row.tokens.append(token)
+        if len(row.tokens) < row.max_new_tokens:
+            going.append(i)
+    return going
+
+
+@torch.inference_mode()
+def decode_rows(model: nn.Module, rows: list[DecodeRow]) -> list[DecodeRow]:
+    """Greedy-decode every row together (one forward per step over the rows still generating); fills
+    ``row.tokens`` and ``row.forward_s``. Attention reads each row's compressed stores
+    (:mod:`spark_bench.engine.attention`)."""
     device = next(model.parameters()).device
+    live = _step_rows(rows, [row.choose(row.first_logits) for row in rows])
+    if not live:
+        return rows
+    cache = BatchedCache([rows[i].cache for i in live], capacity=max(rows[i].max_new_tokens for i in live))
     with compressed_attention_enabled(model):
-        while token not in stops:
-            tokens.append(token)
-            if len(tokens) >= max_new_tokens:
-                break
+        while live:
+            start = time.perf_counter()
             out = model(
-                input_ids=torch.tensor([[token]], device=device),
-                position_ids=torch.tensor([[position]], device=device),
+                input_ids=torch.tensor([[rows[i].tokens[-1]] for i in live], device=device),
+                position_ids=torch.tensor([[rows[i].position + len(rows[i].tokens) - 1] for i in live],
+                                          device=device),
                 past_key_values=cache,
                 compressed_cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
-            token = pick(out.logits[0, -1], stops if len(tokens) < min_new_tokens else frozenset())
-            position += 1
-    return tokens
+            logits = out.logits[:, -1].float()
+            pending = [rows[i].choose(logits[j]) for j, i in enumerate(live)]
+            elapsed = time.perf_counter() - start
+            for i in live:
+                rows[i].forward_s += elapsed / len(live)
+            going = _step_rows([rows[i] for i in live], pending)
+            if len(going) < len(live):
+                if going:
+                    cache.keep(going)
+                live = [live[j] for j in going]
+    return rows
+
+
+def greedy_decode(model: nn.Module, cache: CompressedCache, first_logits: torch.Tensor, prompt_length: int,
+                  max_new_tokens: int, stop_token_ids: frozenset[int] | set[int],
+                  min_new_tokens: int = 0) -> list[int]:
+    """One row on its own (``decode_batch=1``): generate up to ``max_new_tokens`` tokens, the first from
+    ``first_logits``."""
+    row = DecodeRow(cache, first_logits, prompt_length, max_new_tokens, frozenset(stop_token_ids), min_new_tokens)
+    return decode_rows(model, [row])[0].tokens

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ class LayerPrefill:
     window_queries: torch.Tensor
     query_mean: torch.Tensor | None = None  # (B, H_q, D) expected future query (ExpectedAttention), float32
     query_cov: torch.Tensor | None = None   # (B, H_q, D, D) its covariance, float32
+    # per-sample scratch shared by every method config that compresses this layer: scores that depend only on
+    # the prefill (e.g. SnapKV's pooled window attention, the same for every budget) are computed once
+    memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def num_kv_heads(self) -> int:

@@ -176,19 +176,20 @@ class Pipeline:
     def compress_layer(self, layer: LayerPrefill, layer_idx: int, num_layers: int,
                        selections: dict | None = None) -> StoredLayer:
         """``selections`` memoises token selections across the pipelines of one sample: configs that share an
-        eviction method (``snapkv``, ``snapkv+think``, ``snapkv+spark``, … at one budget) score tokens once."""
+        eviction method (``snapkv``, ``snapkv+think``, ``snapkv+spark``, … at one budget) score tokens once and
+        hold the same evicted key/value tensors (one copy in memory; batched decoding reads shared values once)."""
         keys, values, valid = layer.keys, layer.values, None
         if self.eviction is not None:
             key = (self.eviction, layer_idx)
             if selections is None or key not in selections:
                 selection = self.eviction.select(layer, layer_idx, num_layers)
+                evicted = (keys, values, None) if selection is None else (
+                    gather_tokens(keys, selection.indices), gather_tokens(values, selection.indices), selection.valid)
                 if selections is not None:
-                    selections[key] = selection
+                    selections[key] = evicted
             else:
-                selection = selections[key]
-            if selection is not None:
-                keys, values = gather_tokens(keys, selection.indices), gather_tokens(values, selection.indices)
-                valid = selection.valid
+                evicted = selections[key]
+            keys, values, valid = evicted
         key_store = self.channel.compress_keys(keys, layer, layer_idx) if self.channel else DenseStore(keys)
         value_store = self.values.compress_values(values) if self.values else DenseStore(values)
         return StoredLayer(key_store, value_store, valid)

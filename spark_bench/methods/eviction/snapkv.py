@@ -59,8 +59,16 @@ class SnapKV(EvictionMethod):
             raise ValueError(f"snapkv pooling must be 'max' or 'avg', got {self.pooling!r}")
 
     def token_scores(self, layer: LayerPrefill) -> torch.Tensor:
-        """Importance of each pre-window token per kv-head: ``(B, H_kv, S - W)``."""
+        """Importance of each pre-window token per kv-head: ``(B, H_kv, S - W)``. They do not depend on the budget,
+        so SnapKV / PyramidKV / AdaSnapKV configs of a sweep with the same window and pooling compute them once per
+        layer and sample (``layer.memo``)."""
         w = min(self.window_size, layer.keys.shape[-2])
+        key = ("snapkv_scores", w, self.kernel_size, self.pooling)
+        if key not in layer.memo:
+            layer.memo[key] = self._token_scores(layer, w)
+        return layer.memo[key]
+
+    def _token_scores(self, layer: LayerPrefill, w: int) -> torch.Tensor:
         attn = window_attention(layer, w)[..., :-w].mean(dim=-2)  # (B, H_q, S - W)
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
         b, hq, n = attn.shape

@@ -1,0 +1,123 @@
+"""Batched decoding on the embedded model (SmolLM2-135M, offline RULER needles): ``decode_batch=1`` vs the default
+(every method config of a sample in one batch), measured in one run and one process.
+
+* End to end: ``run_sweep`` wall time for the demo sweep (6 configs) and a 14-config sweep shaped like
+  ``paper-shape``, both modes on the same samples; the tokens must be identical.
+* Decode tokens/s, and the share of wall time outside the model's forward passes (prefill + decode steps, attention
+  included), with and without compression.
+* One batched decode step over the demo's compressed caches vs the same step with a plain dense transformers
+  ``DynamicCache`` holding the full prompt for every row (the reference limit), at the same batch size.
+
+Writes ``results/bench/decode.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from transformers import DynamicCache
+
+from spark_bench.benchmarks.ruler import load_ruler
+from spark_bench.engine.decode import DecodeRow, decode_rows
+from spark_bench.engine.prefill import run_prefill
+from spark_bench.methods import MethodConfig, Pipeline
+from spark_bench.models import ModelConfig, load_model
+from spark_bench.runner import run_sweep
+
+ROOT = Path(__file__).resolve().parents[2]
+NEEDLES = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+           "niah_multikey_3", "niah_multivalue", "niah_multiquery"]
+
+
+def sweep_configs(name: str) -> list[MethodConfig]:
+    entries = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "sweep" / f"{name}.yaml"))["configs"]
+    return [MethodConfig(**entry) for entry in entries]
+
+
+def timed_sweep(lm, samples, configs, out: Path, decode_batch) -> dict:
+    shutil.rmtree(out, ignore_errors=True)  # fresh: an existing results dir would resume and compute nothing
+    start = time.perf_counter()
+    preds = run_sweep(lm, samples, configs, out, log=lambda m: None, decode_batch=decode_batch)
+    wall = time.perf_counter() - start
+    prefill = float(preds.groupby("id").prefill_s.first().sum())
+    decode, compress = float(preds.decode_s.sum()), float(preds.compress_s.sum())
+    tokens = int(preds.tokens.map(len).sum())
+    return {"wall_s": round(wall, 2), "prefill_s": round(prefill, 2), "compress_s": round(compress, 2),
+            "decode_forward_s": round(decode, 2), "decode_tokens": tokens,
+            "decode_tokens_per_s": round(tokens / max(decode, 1e-9), 1),
+            "harness_share": round((wall - prefill - decode) / wall, 4),
+            "harness_share_excl_compress": round((wall - prefill - decode - compress) / wall, 4),
+            "tokens": [list(t) for t in preds.tokens]}
+
+
+def compare(lm, samples, configs, scratch: Path, name: str) -> dict:
+    one = timed_sweep(lm, samples, configs, scratch / f"{name}_1", 1)
+    batched = timed_sweep(lm, samples, configs, scratch / f"{name}_all", None)
+    same = one.pop("tokens") == batched.pop("tokens")
+    return {"configs": len(configs), "samples": len(samples), "decode_batch_1": one, "batched": batched,
+            "speedup": round(one["wall_s"] / batched["wall_s"], 2), "identical_tokens": same}
+
+
+@torch.inference_mode()
+def step_ms(lm, sample, configs, steps: int, repeats: int) -> dict:
+    """Median ms of one decode step for all ``configs`` batched, and for a dense DynamicCache batch of that size."""
+    model = lm.model
+    prefill = run_prefill(model, torch.tensor([sample.input_ids]), 32)
+    per_step = []
+    for _ in range(repeats):
+        selections = {}
+        rows = [DecodeRow(Pipeline.from_config(c).build_cache(prefill, selections=selections)[0],
+                          prefill.first_logits, prefill.prompt_length, steps + 1, frozenset()) for c in configs]
+        start = time.perf_counter()
+        decode_rows(model, rows)
+        per_step.append((time.perf_counter() - start) / steps)
+    r = len(configs)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([sample.input_ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    for layer in cache.layers:
+        layer.keys = layer.keys.expand(r, -1, -1, -1).contiguous()
+        layer.values = layer.values.expand(r, -1, -1, -1).contiguous()
+    token = torch.full((r, 1), prefill.first_token)
+    dense = []
+    for i in range(steps):
+        position = torch.full((r, 1), prefill.prompt_length + i)
+        start = time.perf_counter()
+        model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        dense.append(time.perf_counter() - start)
+    compressed, dense_ms = 1000 * statistics.median(per_step), 1000 * statistics.median(dense)
+    return {"batch": r, "prompt_tokens": prefill.prompt_length, "compressed_step_ms": round(compressed, 1),
+            "dense_dynamic_cache_step_ms": round(dense_ms, 1), "ratio": round(compressed / dense_ms, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--samples", type=int, default=1, help="samples per needle task (8 tasks)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--out", type=Path, default=Path("results/bench/decode.json"))
+    args = parser.parse_args()
+    model_cfg = ModelConfig.from_dict(OmegaConf.to_container(OmegaConf.load(ROOT / "conf/model/smollm2-135m.yaml")))
+    lm = load_model(model_cfg, "cpu")
+    samples = load_ruler(NEEDLES, args.length, args.samples, 42, lm, args.max_new_tokens)
+    scratch = args.out.parent / "decode_runs"
+    result = {"model": model_cfg.name, "length": args.length, "max_new_tokens": args.max_new_tokens,
+              "threads": torch.get_num_threads(),
+              "demo": compare(lm, samples, sweep_configs("demo"), scratch, "demo"),
+              "paper_shape": compare(lm, samples, sweep_configs("paper_shape"), scratch, "paper_shape"),
+              "step_demo": step_ms(lm, samples[0], sweep_configs("demo"), steps=12, repeats=3),
+              "step_paper_shape": step_ms(lm, samples[0], sweep_configs("paper_shape"), steps=12, repeats=3)}
+    shutil.rmtree(scratch, ignore_errors=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Batched decoding: every method config of a sample decoded in one batch gives exactly the tokens of decoding
+each alone (float32), whatever the stores, stops, budgets or prompt lengths; the kernel dispatch decision; a stale
+kernel build lock cannot hang a run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from spark_bench.engine.decode import DecodeRow, decode_rows
+from spark_bench.engine.prefill import run_prefill
+from spark_bench.methods import MethodConfig, Pipeline
+from spark_bench.storage import fast_logits
+from test_methods import MATRIX
+
+CONFIGS = [MethodConfig(name=name, budget=64, **options) for name, options in MATRIX]
+
+
+def _rows(prefill, configs, max_new=lambda i: 6, stops=lambda i: frozenset(), min_new=lambda i: 0):
+    selections = {}
+    return [DecodeRow(Pipeline.from_config(c).build_cache(prefill, selections=selections)[0], prefill.first_logits,
+                      prefill.prompt_length, max_new(i), stops(i), min_new(i)) for i, c in enumerate(configs)]
+
+
+def _alone(model, rows):
+    return [decode_rows(model, [row])[0].tokens for row in rows]
+
+
+@pytest.fixture(scope="module")
+def free_run(tiny_lm, tiny_prefill):
+    """Each config alone, 6 tokens, no stop token: used to choose stop tokens that end rows early."""
+    return _alone(tiny_lm.model, _rows(tiny_prefill, CONFIGS))
+
+
+def test_whole_matrix_in_one_batch_equals_one_at_a_time(tiny_lm, tiny_prefill, free_run):
+    batched = [row.tokens for row in decode_rows(tiny_lm.model, _rows(tiny_prefill, CONFIGS))]
+    assert batched == free_run
+    assert len(CONFIGS) > 100 and all(len(t) == 6 for t in batched)
+
+
+def test_rows_stopping_early_and_min_new_tokens(tiny_lm, tiny_prefill, free_run):
+    # every third row stops at its 3rd token; every fourth row bans its 2nd token as a stop until 4 tokens exist;
+    # max_new_tokens differs per row (2..7)
+    def stops(i):
+        if i % 3 == 0:
+            return frozenset({free_run[i][2]})
+        return frozenset({free_run[i][1]}) if i % 4 == 1 else frozenset()
+
+    spec = dict(max_new=lambda i: 2 + i % 6, stops=stops, min_new=lambda i: 4 if i % 4 == 1 else 0)
+    alone = _alone(tiny_lm.model, _rows(tiny_prefill, CONFIGS, **spec))
+    batched = [row.tokens for row in decode_rows(tiny_lm.model, _rows(tiny_prefill, CONFIGS, **spec))]
+    assert batched == alone
+    lengths = {len(t) for t in alone}
+    assert min(lengths) < 3 and max(lengths) == 7  # rows really left the batch at different steps
+    for i, tokens in enumerate(alone):
+        if i % 4 == 1 and len(tokens) >= 2:
+            assert free_run[i][1] not in tokens[:4] or len(tokens) >= 4
+
+
+def test_rows_with_different_prompts_and_positions(tiny_lm, tiny_prefill):
+    """Rows of two samples (160 and 97 prompt tokens: different positions and cache lengths) in one batch."""
+    ids = torch.randint(100, 5000, (1, 97), generator=torch.Generator().manual_seed(1))
+    other = run_prefill(tiny_lm.model, ids, window=32)
+    configs = [CONFIGS[0], MethodConfig(name="snapkv+spark", budget=48, ratio=0.8),
+               MethodConfig(name="adasnapkv+think", budget=48, ratio=0.5, value_ratio=0.3)]
+    rows = lambda: _rows(tiny_prefill, configs) + _rows(other, configs[::-1], max_new=lambda i: 3 + i)
+    assert [r.tokens for r in decode_rows(tiny_lm.model, rows())] == _alone(tiny_lm.model, rows())
+
+
+def test_materialize_reference_batches_too(tiny_lm, tiny_prefill, free_run):
+    selections, rows = {}, []
+    for c in CONFIGS[::7]:
+        cache, _ = Pipeline.from_config(c).build_cache(tiny_prefill, attention="materialize", selections=selections)
+        rows.append(DecodeRow(cache, tiny_prefill.first_logits, tiny_prefill.prompt_length, 6, frozenset()))
+    assert [r.tokens for r in decode_rows(tiny_lm.model, rows)] == free_run[::7]
+
+
+@pytest.mark.parametrize("decode_batch", [None, 2])
+def test_sweep_results_do_not_depend_on_decode_batch(tiny_lm, tmp_path, decode_batch):
+    from spark_bench.benchmarks.ruler import load_ruler
+    from spark_bench.runner import run_sweep
+
+    samples = load_ruler(["niah_single_1", "niah_multikey_1"], 512, 1, 3, tiny_lm, max_new_tokens=5)
+    configs = [MethodConfig(name="full"), MethodConfig(name="snapkv", budget=64),
+               MethodConfig(name="snapkv+think", budget=64, ratio=0.5),
+               MethodConfig(name="snapkv+spark", budget=64, ratio=0.8),
+               MethodConfig(name="pyramidkv+spark", budget=64, ratio=0.5)]
+    run_sweep(tiny_lm, samples, configs, tmp_path / "one", log=lambda m: None, decode_batch=1)
+    run_sweep(tiny_lm, samples, configs, tmp_path / "many", log=lambda m: None, decode_batch=decode_batch)
+    for name in ("predictions.jsonl", "scores.csv", "table.md"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "many" / name).read_bytes()
+
+
+def test_bad_decode_batch_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "decode_batch=0",
+                           f"output_root={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "decode_batch must be a positive integer" in proc.stderr and not any(tmp_path.iterdir())
+
+
+# ---- kernel dispatch ----------------------------------------------------------------------------------------------
+
+def _spark_store(**options):
+    from spark_bench.engine.prefill import LayerPrefill
+    from spark_bench.methods.channel.spark import SparK
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 50, 64, generator=g)
+    window = torch.randn(1, 6, 32, 64, generator=g)
+    return SparK(ratio=0.8, **options).compress_keys(keys, LayerPrefill(keys, torch.zeros_like(keys), window))
+
+
+def test_dispatch_decision_by_device_and_store():
+    store = _spark_store()
+    assert fast_logits.kernel_blocker(store, torch.device("cpu"), 3) is None
+    cuda = fast_logits.kernel_blocker(store, torch.device("cuda", 0), 3)
+    assert cuda.startswith("cuda tensors: the C++ kernel runs on the CPU only")
+    assert "different numbers of channels" in fast_logits.kernel_blocker(_spark_store(variant="top_p"),
+                                                                         torch.device("cpu"), 3)
+    assert "query rows per kv-head" in fast_logits.kernel_blocker(store, torch.device("cpu"), 9)
+
+
+def test_non_cpu_queries_never_reach_the_kernel(monkeypatch):
+    store = _spark_store()
+
+    def no_kernel():
+        raise AssertionError("the CPU kernel was asked for on a non-CPU device")
+
+    monkeypatch.setattr(fast_logits, "load_kernel", no_kernel)
+    queries = torch.empty(1, 2, 3, 64, device="meta")
+    with pytest.warns(UserWarning, match="meta tensors: the C\\+\\+ kernel runs on the CPU only"):
+        out = fast_logits.compact_logits(store, queries, lambda q: "reference path")
+    assert out == "reference path"
+
+
+# ---- a stale build lock --------------------------------------------------------------------------------------------
+
+PROBE = """
+import time, torch, warnings
+from spark_bench.engine.prefill import LayerPrefill
+from spark_bench.methods.channel.spark import SparK
+from spark_bench.storage import fast_logits
+g = torch.Generator().manual_seed(0)
+keys = torch.randn(1, 2, 40, 64, generator=g)
+store = SparK(ratio=0.8).compress_keys(keys, LayerPrefill(keys, keys, torch.randn(1, 4, 32, 64, generator=g)))
+q = torch.randn(1, 2, 2, 64, generator=g)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    out = store.logits(q)
+assert torch.allclose(out, store.reference_logits(q), atol=1e-4)
+print("fallbacks:", sorted(fast_logits.fallback_reasons()))
+"""
+
+
+def _probe(tmp_path, wait_s):
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "SPARK_BENCH_KERNEL_WAIT_S": str(wait_s)}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
+    return proc, time.perf_counter() - start
+
+
+def _lock_in(tmp_path):
+    directory = tmp_path / "spark_bench" / fast_logits.kernel_name()
+    directory.mkdir(parents=True)
+    (directory / "lock").write_text("")
+    return directory
+
+
+def test_stale_build_lock_is_named_and_the_run_finishes(tmp_path):
+    _lock_in(tmp_path)
+    proc, seconds = _probe(tmp_path, wait_s=3)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert seconds < 60
+    assert "lock exists: another process is building the SparK kernel, or a killed build left it" in proc.stderr
+    assert "kernel build did not finish within 3 s" in proc.stdout
+
+
+def test_a_prebuilt_kernel_loads_without_touching_the_lock(tmp_path):
+    built = fast_logits.load_kernel()
+    if isinstance(built, str):
+        pytest.fail(f"the kernel must build here: {built}")
+    directory = _lock_in(tmp_path)
+    for so in fast_logits.build_directory().glob(f"{fast_logits.kernel_name()}*.so"):
+        shutil.copy(so, directory)
+    proc, _ = _probe(tmp_path, wait_s=3)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "lock exists" not in proc.stderr and "fallbacks: []" in proc.stdout
