@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench clean table1 table2 ablation-dist ablation-variants kv-joint figure5 paper-shape
+.PHONY: demo test test-gpu bench clean table1 table2 ablation-dist ablation-variants kv-joint figure5 paper-shape
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# On a CUDA machine: the model-level tests (method matrix, batched decoding, engine, compact attention) with the tiny
+# model and its caches on the GPU (tests/conftest.py reads SPARK_BENCH_TEST_DEVICE)
+GPU_TESTS = tests/test_methods.py tests/test_decode_batch.py tests/test_engine.py tests/test_fast_attention.py
+test-gpu: $(STAMP)
+	SPARK_BENCH_TEST_DEVICE=cuda $(BIN)/python -m pytest $(GPU_TESTS)
+
 # Speed / memory figures → results/bench/*.json + results/bench/summary.md (never timed in unit tests)
 bench: $(STAMP)
 	$(BIN)/python scripts/bench/bytes.py
@@ -32,19 +38,20 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench/decode.py
 	$(BIN)/python scripts/bench/summary.py
 
-# Paper tables: run the experiment, then its report beside the paper's numbers. They need GPUs and hub access
-# (except paper-shape); `make table1 DRY_RUN=true` only validates the configs and prints the plan.
+# Paper tables: run the experiment, then its report beside the paper's numbers (the paper's tables ship inside the
+# package: `--paper tab_main`). They need GPUs and hub access (except paper-shape); `make table1 DRY_RUN=true` only
+# validates the configs, prints the plan and checks that the paper table resolves.
 DRY_RUN ?= false
-PAPER := ../shared/paper/tables
 define experiment
 	$(BIN)/spark-bench +experiment=$(1) dry_run=$(DRY_RUN)
+	if [ "$(DRY_RUN)" = true ] && [ -n "$(3)" ]; then $(BIN)/spark-bench-report --check $(3); fi
 	if [ "$(DRY_RUN)" != true ]; then $(BIN)/spark-bench-report results/$(1) --layout $(2) $(3) --out results/$(1)/report $(4); fi
 endef
 
 table1: $(STAMP)
-	$(call experiment,table1,longbench,--paper $(PAPER)/tab_main.csv)
+	$(call experiment,table1,longbench,--paper tab_main,--ci --claims)
 table2: $(STAMP)
-	$(call experiment,table2,ruler,--paper $(PAPER)/tab_main_ruler.csv)
+	$(call experiment,table2,ruler,--paper tab_main_ruler,--ci --claims)
 ablation-dist: $(STAMP)
 	$(call experiment,ablation_dist,longbench,)
 ablation-variants: $(STAMP)
@@ -54,7 +61,7 @@ kv-joint: $(STAMP)
 figure5: $(STAMP)
 	$(call experiment,figure5,longbench,,--figures)
 paper-shape: $(STAMP)
-	$(call experiment,paper_shape,ruler,,--figures)
+	$(call experiment,paper_shape,ruler,,--figures --ci --claims)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -103,14 +103,22 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
     from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS, TASKS as LONGBENCH_TASKS, hub_source, \
         read_records
     from spark_bench.benchmarks.ruler import RULER_TASKS, check_qa_sources
+    from spark_bench.methods.pipeline import sweep_labels
 
     configs = method_configs(cfg)
+    try:
+        sweep_labels(configs)
+    except ValueError as err:
+        raise ConfigError(f"sweep.configs: {err}") from None
     parse_shard(cfg.get("shard"))
-    decode_batch = cfg.get("decode_batch")
+    decode_batch, decode_samples = cfg.get("decode_batch"), cfg.get("decode_samples", 1)
     if decode_batch is not None and (isinstance(decode_batch, bool) or not isinstance(decode_batch, int)
                                      or decode_batch < 1):
         raise ConfigError(f"decode_batch must be a positive integer (method configs decoded together per sample) "
                           f"or null (all of them), got {decode_batch!r}")
+    if isinstance(decode_samples, bool) or not isinstance(decode_samples, int) or decode_samples < 1:
+        raise ConfigError(f"decode_samples must be a positive integer (samples whose configs decode in one batch), "
+                          f"got {decode_samples!r}")
     b = cfg.benchmark
     if b.name not in BENCHMARKS:
         raise ConfigError(f"benchmark.name={b.name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
@@ -133,13 +141,13 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
             check_qa_sources(b.tasks, cfg.ruler.squad_file, cfg.ruler.hotpotqa_file)
     else:
         valid = LONGBENCH_E_TASKS if cfg.longbench.e else tuple(LONGBENCH_TASKS)
-        unknown = [t for t in b.tasks if t not in valid]
+        unknown = [t for t in benchmark_tasks(cfg) if t not in valid]
         if unknown:
             raise ConfigError(f"benchmark.tasks: unknown LongBench task(s) {unknown}; valid: {', '.join(valid)}")
         if cfg.longbench.data_dir is not None:
             if not Path(cfg.longbench.data_dir).is_dir():
                 raise ConfigError(f"longbench.data_dir: {cfg.longbench.data_dir} is not a directory")
-            for task in b.tasks:  # every record parsed now: a malformed line is reported before the model loads
+            for task in benchmark_tasks(cfg):  # every record parsed now: a malformed line is reported before the model loads
                 try:
                     read_records(task, cfg.longbench.data_dir, cfg.longbench.e)
                 except (ValueError, FileNotFoundError) as err:
@@ -170,6 +178,17 @@ def source_lines(cfg: DictConfig, model: ModelConfig) -> list[str]:
     return lines
 
 
+def benchmark_tasks(cfg: DictConfig) -> list[str]:
+    """``benchmark.tasks``, or for LongBench left null: its 16 tasks, or LongBench-E's 13 with ``longbench.e``."""
+    if cfg.benchmark.get("tasks") is not None:
+        return list(cfg.benchmark.tasks)
+    if cfg.benchmark.name != "longbench":
+        raise ConfigError(f"benchmark.tasks must list the {cfg.benchmark.name} tasks to run")
+    from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS, TASKS
+
+    return list(LONGBENCH_E_TASKS if cfg.longbench.e else TASKS)
+
+
 def _ruler(cfg: DictConfig, lm):
     from spark_bench.benchmarks.ruler import load_ruler
 
@@ -182,7 +201,7 @@ def _longbench(cfg: DictConfig, lm):
     from spark_bench.benchmarks.longbench import load_longbench
 
     src = cfg.longbench
-    return load_longbench(list(cfg.benchmark.tasks), lm, data_dir=src.data_dir, num_samples=cfg.benchmark.num_samples,
+    return load_longbench(benchmark_tasks(cfg), lm, data_dir=src.data_dir, num_samples=cfg.benchmark.num_samples,
                           e=src.e, max_length=src.max_length, hub_path=src.hub_path, rouge_backend=src.rouge_backend)
 
 
@@ -219,9 +238,11 @@ def run_payload(cfg: DictConfig, lm, samples, configs) -> dict:
 def run(cfg: DictConfig, out_dir: Path) -> None:
     model_cfg, configs = validate(cfg, sources=not cfg.get("dry_run"))
     if cfg.get("dry_run"):
-        tasks = "data_file" if cfg.benchmark.get("data_file") else ", ".join(cfg.benchmark.tasks)
+        from spark_bench.methods.pipeline import sweep_labels
+
+        tasks = "data_file" if cfg.benchmark.get("data_file") else ", ".join(benchmark_tasks(cfg))
         print(f"spark-bench (dry run): {model_cfg.name} on {cfg.benchmark.name} [{tasks}] × {len(configs)} method "
-              f"configs → {out_dir}\n" + "\n".join(f"  {c.label}" for c in configs), flush=True)
+              f"configs → {out_dir}\n" + "\n".join(f"  {label}" for label in sweep_labels(configs)), flush=True)
         for line in source_lines(cfg, model_cfg):
             print(f"  source: {line}", flush=True)
         return
@@ -240,7 +261,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
     try:
         run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True), payload=payload,
                   progress=bool(cfg.get("progress", True)) and sys.stderr.isatty(),
-                  decode_batch=cfg.get("decode_batch"))
+                  decode_batch=cfg.get("decode_batch"), decode_samples=cfg.get("decode_samples", 1))
     except ResultsMismatch as err:
         raise ConfigError(str(err)) from None
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")

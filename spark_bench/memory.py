@@ -46,7 +46,7 @@ def _layer_bytes(cfg: MethodConfig, arch: Arch, dtype: torch.dtype, seq: int) ->
     g = torch.Generator().manual_seed(seq)
     shape = (1, arch.num_kv_heads, seq, arch.head_dim)
     keys, values = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
-    window = torch.randn(1, arch.num_heads, min(cfg.window_size, seq), arch.head_dim, generator=g).to(dtype)
+    window = torch.randn(1, arch.num_heads, min(cfg.observation_window, seq), arch.head_dim, generator=g).to(dtype)
     prefill = Prefill((LayerPrefill(keys, values, window),), seq, torch.zeros(1), 0.0)
     no_eviction = dataclasses.replace(cfg, name=cfg.channel_name or "full")
     cache, _ = Pipeline.from_config(no_eviction).build_cache(prefill)

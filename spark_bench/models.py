@@ -25,7 +25,9 @@ class ModelConfig:
     source: ``hub`` (``path`` is a hub id or a local directory), ``gguf`` (``path`` is a .gguf file, or a file
     name inside the installed Python package ``package``), ``random`` (``architecture`` + ``config`` overrides,
     weights drawn with ``seed``; the tokenizer comes from the model named by ``tokenizer``).
-    max_length: longest prompt (tokens) the harness feeds; longer prompts are middle-truncated by benchmarks.
+    max_length: the model's context: the longest prompt (tokens) the harness feeds (RULER lengths are checked
+    against it). longbench_max_length: LongBench's middle-truncation limit for this model (``model2maxlen`` of
+    LongBench / the official SparK fork, e.g. 7950 for Llama-3-8B); null = ``max_length − 500``.
     chat_template: wrap prompts with the tokenizer's chat template. stop_tokens: extra stop strings.
     """
 
@@ -35,6 +37,7 @@ class ModelConfig:
     package: str | None = None
     dtype: str = "bfloat16"
     max_length: int = 4096
+    longbench_max_length: int | None = None
     chat_template: bool = True
     stop_tokens: tuple[str, ...] = ()
     architecture: str | None = None

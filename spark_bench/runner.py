@@ -18,7 +18,7 @@ from spark_bench.benchmarks.metrics import score
 from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.engine.prefill import run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
-from spark_bench.methods.pipeline import kept_key_fraction
+from spark_bench.methods.pipeline import kept_key_fraction, sweep_labels
 from spark_bench.models import LoadedModel
 from spark_bench.results import TIMING_FIELDS, ResultsDir, read_complete_lines
 from spark_bench.tables import render_markdown, summarize
@@ -38,39 +38,49 @@ class Prediction:
     kv_bytes: int
     kv_bytes_full: int
     key_ratio: float  # achieved key pruning ratio over the stored tokens (paper's "Overall Ratio")
+    length: int | None  # the record's own length (LongBench words: LongBench-E's 0-4k / 4-8k / 8k+), else None
     prefill_s: float
     compress_s: float
     decode_s: float  # this config's share of the batched decode forwards (wall time / rows in the batch, per step)
 
 
-def run_sample(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline],
-               decode_batch: int | None = None) -> list[Prediction]:
-    """Prefill ``sample`` once, then compress it under every pipeline and decode the compressed caches together,
-    ``decode_batch`` rows per batch (None: all pipelines in one batch; 1: one at a time), then score."""
-    window = max([p.config.window_size for p in pipelines] + [1])
+def _prefill(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]):
+    window = max([p.config.observation_window for p in pipelines] + [1])
     specs = {p.query_stats for p in pipelines} - {None}
     if len(specs) > 1:
         raise ValueError(f"one sweep cannot mix query-statistics settings {sorted(map(str, specs))} (n_sink)")
     input_ids = torch.tensor([sample.input_ids], device=lm.device)
-    prefill = run_prefill(lm.model, input_ids, window, query_stats=next(iter(specs), None))
-    full_bytes = prefill.dense_kv_bytes()
-    stops = lm.stop_token_ids | set(sample.stop_token_ids)
-    size = decode_batch or len(pipelines)
-    out, selections = [], {}
-    for chunk in (pipelines[i:i + size] for i in range(0, len(pipelines), size)):
-        built = [pipeline.build_cache(prefill, selections=selections) for pipeline in chunk]
-        rows = [DecodeRow(cache, prefill.first_logits, prefill.prompt_length, sample.max_new_tokens, stops,
-                          sample.min_new_tokens) for cache, _ in built]
+    return run_prefill(lm.model, input_ids, window, query_stats=next(iter(specs), None))
+
+
+def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
+                decode_batch: int | None = None) -> list[list[Prediction]]:
+    """Prefill each sample once, compress it under each of its pipelines and decode all the compressed caches
+    together — ``decode_batch`` rows per batch (None: every row of ``work`` in one batch; 1: one at a time) — then
+    score. One list of predictions per sample, in pipeline order; the tokens do not depend on the batching."""
+    prefills = [_prefill(lm, sample, pipelines) for sample, pipelines in work]
+    plan = [(i, pipeline) for i, (_, pipelines) in enumerate(work) for pipeline in pipelines]
+    size = decode_batch or len(plan)
+    selections: list[dict] = [{} for _ in work]  # per sample: token selections shared by its configs
+    out: list[list[Prediction]] = [[] for _ in work]
+    for chunk in (plan[i:i + size] for i in range(0, len(plan), size)):
+        built = [pipeline.build_cache(prefills[i], selections=selections[i]) for i, pipeline in chunk]
+        rows = []
+        for (i, _), (cache, _) in zip(chunk, built):
+            sample, prefill = work[i][0], prefills[i]
+            rows.append(DecodeRow(cache, prefill.first_logits, prefill.prompt_length, sample.max_new_tokens,
+                                  lm.stop_token_ids | set(sample.stop_token_ids), sample.min_new_tokens))
         measured = [(cache.nbytes(), round(1 - kept_key_fraction(cache), 6)) for cache, _ in built]
         decode_rows(lm.model, rows)
-        for pipeline, (_, compress_s), row, (kv_bytes, key_ratio) in zip(chunk, built, rows, measured):
+        for (i, pipeline), (_, compress_s), row, (kv_bytes, key_ratio) in zip(chunk, built, rows, measured):
+            sample, prefill = work[i][0], prefills[i]
             text = lm.tokenizer.decode(row.tokens, skip_special_tokens=True)
-            out.append(Prediction(
-                config=pipeline.config.label, method=pipeline.config.to_dict(), task=sample.task, id=sample.id,
+            out[i].append(Prediction(
+                config=pipeline.label, method=pipeline.config.to_dict(), task=sample.task, id=sample.id,
                 prompt_length=prefill.prompt_length, prediction=text, tokens=row.tokens, answers=list(sample.answers),
                 score=score(sample.metric, text, sample.answers, **sample.metric_args), kv_bytes=kv_bytes,
-                kv_bytes_full=full_bytes, key_ratio=key_ratio, prefill_s=prefill.seconds, compress_s=compress_s,
-                decode_s=row.forward_s))
+                kv_bytes_full=prefill.dense_kv_bytes(), key_ratio=key_ratio, length=sample.meta.get("length"),
+                prefill_s=prefill.seconds, compress_s=compress_s, decode_s=row.forward_s))
     return out
 
 
@@ -83,42 +93,45 @@ def default_payload(lm: LoadedModel, samples: list[Sample], configs: list[Method
 
 def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig], out_dir: Path,
               log=print, payload: dict | None = None, progress: bool = False,
-              decode_batch: int | None = None) -> pd.DataFrame:
+              decode_batch: int | None = None, decode_samples: int = 1) -> pd.DataFrame:
     """Run every config on every sample into ``out_dir`` (``predictions.jsonl``, ``timings.jsonl``, ``scores.csv``,
     ``table.md``). Finished (sample, config) pairs already in ``out_dir`` are kept, not recomputed.
-    ``decode_batch``: method configs decoded together per sample (None = all; the tokens do not depend on it)."""
+    ``decode_samples`` samples at a time decode their method configs together, ``decode_batch`` rows per batch
+    (None = all of them); the tokens depend on neither."""
     if decode_batch is not None and (not isinstance(decode_batch, int) or decode_batch < 1):
         raise ValueError(f"decode_batch must be a positive integer or null (all configs), got {decode_batch!r}")
-    labels = [c.label for c in configs]
-    duplicates = sorted({label for label in labels if labels.count(label) > 1})
-    if duplicates:
-        raise ValueError(f"sweep has duplicate method configs (same table row): {duplicates}")
+    if not isinstance(decode_samples, int) or decode_samples < 1:
+        raise ValueError(f"decode_samples must be a positive integer, got {decode_samples!r}")
+    labels = sweep_labels(configs)
     ids = [s.id for s in samples]
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate sample ids: {sorted({i for i in ids if ids.count(i) > 1})[:5]}")
-    pipelines = [Pipeline.from_config(c) for c in configs]
+    pipelines = [Pipeline.from_config(c, label) for c, label in zip(configs, labels)]
     results = ResultsDir(out_dir, payload or default_payload(lm, samples, configs))
     done = {(r["id"], r["config"]): r for r in results.open()}
     timing = {(r["id"], r["config"]): r for r in read_complete_lines(results.timings)}
     resumed = sum((s.id, label) in done for s in samples for label in labels)
     if resumed:
         log(f"resuming {out_dir}: {resumed} of {len(samples) * len(labels)} predictions already done")
-    bar = tqdm(samples, desc=out_dir.name, unit="sample", disable=not progress, dynamic_ncols=True)
+    work = [(s, [p for p in pipelines if (s.id, p.label) not in done]) for s in samples]
+    work = [(s, todo) for s, todo in work if todo]
+    bar = tqdm(total=len(samples), initial=len(samples) - len(work), desc=out_dir.name, unit="sample",
+               disable=not progress, dynamic_ncols=True)
     new_tokens, decode_seconds = 0, 0.0
-    for sample in bar:
-        todo = [p for p in pipelines if (sample.id, p.config.label) not in done]
-        if not todo:
-            continue
-        records = [p.__dict__ for p in run_sample(lm, sample, todo, decode_batch)]
-        results.append(records)
-        for r in records:
-            done[r["id"], r["config"]] = timing[r["id"], r["config"]] = r
-        new_tokens += sum(len(r["tokens"]) for r in records)
-        decode_seconds += sum(r["decode_s"] for r in records)
-        bar.set_postfix(tok_s=f"{new_tokens / max(decode_seconds, 1e-9):.1f}")
-        if not progress:
-            log(f"{sample.id} ({records[0]['prompt_length']} tok): "
-                + ", ".join(f"{r['config']}={r['score']:.0f}" for r in records))
+    for group in (work[i:i + decode_samples] for i in range(0, len(work), decode_samples)):
+        for sample_records in run_samples(lm, group, decode_batch):
+            records = [p.__dict__ for p in sample_records]
+            results.append(records)  # one durable append per sample
+            for r in records:
+                done[r["id"], r["config"]] = timing[r["id"], r["config"]] = r
+            new_tokens += sum(len(r["tokens"]) for r in records)
+            decode_seconds += sum(r["decode_s"] for r in records)
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{new_tokens / max(decode_seconds, 1e-9):.1f}")
+            if not progress:
+                log(f"{records[0]['id']} ({records[0]['prompt_length']} tok): "
+                    + ", ".join(f"{r['config']}={r['score']:.0f}" for r in records))
+    bar.close()
     ordered = [done[s.id, label] for s in samples for label in labels]
     predictions = pd.DataFrame([{**r, **{k: timing.get((r["id"], r["config"]), {}).get(k, float("nan"))
                                          for k in TIMING_FIELDS}} for r in ordered])

@@ -1,5 +1,10 @@
+"""Shared fixtures. ``SPARK_BENCH_TEST_DEVICE=cuda`` (``make test-gpu``) puts the tiny model and its prefill on that
+device, so the method matrix, batched decoding and the engine tests check the product's device handling on a GPU;
+CI and ``make test`` use the CPU."""
+
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +15,7 @@ from spark_bench.engine.prefill import QueryStatsSpec, run_prefill
 from spark_bench.models import ModelConfig, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
+DEVICE = torch.device(os.environ.get("SPARK_BENCH_TEST_DEVICE", "cpu"))
 
 
 def model_config(name: str) -> ModelConfig:
@@ -18,10 +24,13 @@ def model_config(name: str) -> ModelConfig:
 
 @pytest.fixture(scope="session")
 def tiny_lm():
-    return load_model(model_config("tiny-llama"), "cpu")
+    if DEVICE.type == "cuda":  # float32 matmuls as on the CPU: TF32 would change greedy tokens, not the product
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return load_model(model_config("tiny-llama"), str(DEVICE))
 
 
 @pytest.fixture(scope="session")
 def tiny_prefill(tiny_lm):
-    ids = torch.randint(100, 5000, (1, 160), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(100, 5000, (1, 160), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     return run_prefill(tiny_lm.model, ids, window=32, query_stats=QueryStatsSpec())

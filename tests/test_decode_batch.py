@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from conftest import DEVICE
 
 from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.engine.prefill import run_prefill
@@ -64,7 +65,7 @@ def test_rows_stopping_early_and_min_new_tokens(tiny_lm, tiny_prefill, free_run)
 
 def test_rows_with_different_prompts_and_positions(tiny_lm, tiny_prefill):
     """Rows of two samples (160 and 97 prompt tokens: different positions and cache lengths) in one batch."""
-    ids = torch.randint(100, 5000, (1, 97), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(100, 5000, (1, 97), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     other = run_prefill(tiny_lm.model, ids, window=32)
     configs = [CONFIGS[0], MethodConfig(name="snapkv+spark", budget=48, ratio=0.8),
                MethodConfig(name="adasnapkv+think", budget=48, ratio=0.5, value_ratio=0.3)]
@@ -80,18 +81,19 @@ def test_materialize_reference_batches_too(tiny_lm, tiny_prefill, free_run):
     assert [r.tokens for r in decode_rows(tiny_lm.model, rows)] == free_run[::7]
 
 
-@pytest.mark.parametrize("decode_batch", [None, 2])
-def test_sweep_results_do_not_depend_on_decode_batch(tiny_lm, tmp_path, decode_batch):
+@pytest.mark.parametrize("decode_batch,decode_samples", [(None, 1), (2, 1), (None, 2), (3, 2)])
+def test_sweep_results_do_not_depend_on_decode_batch(tiny_lm, tmp_path, decode_batch, decode_samples):
     from spark_bench.benchmarks.ruler import load_ruler
     from spark_bench.runner import run_sweep
 
-    samples = load_ruler(["niah_single_1", "niah_multikey_1"], 512, 1, 3, tiny_lm, max_new_tokens=5)
+    samples = load_ruler(["niah_single_1", "niah_multikey_1", "niah_single_2"], 512, 1, 3, tiny_lm, max_new_tokens=5)
     configs = [MethodConfig(name="full"), MethodConfig(name="snapkv", budget=64),
                MethodConfig(name="snapkv+think", budget=64, ratio=0.5),
                MethodConfig(name="snapkv+spark", budget=64, ratio=0.8),
                MethodConfig(name="pyramidkv+spark", budget=64, ratio=0.5)]
     run_sweep(tiny_lm, samples, configs, tmp_path / "one", log=lambda m: None, decode_batch=1)
-    run_sweep(tiny_lm, samples, configs, tmp_path / "many", log=lambda m: None, decode_batch=decode_batch)
+    run_sweep(tiny_lm, samples, configs, tmp_path / "many", log=lambda m: None, decode_batch=decode_batch,
+              decode_samples=decode_samples)
     for name in ("predictions.jsonl", "scores.csv", "table.md"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "many" / name).read_bytes()
 

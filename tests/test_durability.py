@@ -35,6 +35,7 @@ BAD_INPUTS = {
     "unknown method": (["method=nope"], "method=nope: no such method config (conf/method/); valid: adasnapkv"),
     "unknown benchmark": (["benchmark=nope"], "benchmark=nope: no such benchmark config (conf/benchmark/)"),
     "decode_batch not positive": (["decode_batch=-1"], "decode_batch must be a positive integer"),
+    "decode_samples not positive": (["decode_samples=0"], "decode_samples must be a positive integer"),
     "unknown task": (["benchmark.tasks=[niah_nope]"], "unknown RULER task(s) ['niah_nope']; valid: niah_single_1"),
     "ratio out of range": (["method=spark", "ratio=1.2"], "ratio must be in [0, 1), got 1.2"),
     "value_ratio out of range": (["method=spark", "value_ratio=-0.1"], "value_ratio must be in [0, 1)"),

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICE
 
 from spark_bench.engine.decode import greedy_decode
 from spark_bench.engine.prefill import run_prefill
@@ -20,7 +21,7 @@ def decode(lm, prefill, cfg: MethodConfig, n=6):
 def test_prefill_captures_post_rope_window_queries(tiny_lm):
     """The window queries reproduce the model's own attention weights (eager attention, output_attentions)."""
     model = tiny_lm.model
-    ids = torch.randint(100, 5000, (1, 48), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(100, 5000, (1, 48), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     prefill = run_prefill(model, ids, window=16)
     model.config._attn_implementation = "eager"
     try:
@@ -34,7 +35,7 @@ def test_prefill_captures_post_rope_window_queries(tiny_lm):
 
 
 def test_prefill_first_token_matches_generate(tiny_lm):
-    ids = torch.randint(100, 5000, (1, 40), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(100, 5000, (1, 40), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     prefill = run_prefill(tiny_lm.model, ids, window=32)
     tokens = decode(tiny_lm, prefill, MethodConfig(name="full"), n=5)
     with torch.inference_mode():
@@ -64,7 +65,7 @@ def test_snapkv_keeps_budget_and_window(tiny_prefill):
     for budget, expected in [(64, 64), (0.25, int(s * 0.25))]:
         idx = SnapKV(budget=budget).select(layer, 0, 2).indices
         assert idx.shape == (1, layer.num_kv_heads, expected)
-        assert torch.equal(idx[..., -32:], torch.arange(s - 32, s).expand(1, layer.num_kv_heads, 32))
+        assert torch.equal(idx[..., -32:], torch.arange(s - 32, s, device=idx.device).expand(1, layer.num_kv_heads, 32))
         assert bool((idx.diff(dim=-1) > 0).all())  # ascending, no duplicates
     with pytest.raises(ValueError, match="smaller than the observation window"):
         SnapKV(budget=16).select(layer, 0, 2).indices

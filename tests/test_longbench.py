@@ -119,3 +119,44 @@ def test_cli_longbench_end_to_end(tmp_path):
     assert sorted(r["task"] for r in rows) == sorted(TASKS)
     table = (tmp_path / "lb" / "table.md").read_text()
     assert "SnapKV+SparK(0.8) @64" in table and "repobench-p" in table
+    assert all(isinstance(r["length"], int) for r in rows)  # the record's length reaches the predictions
+
+
+def test_longbench_e_runs_its_13_tasks_and_reports_length_buckets(tmp_path):
+    """``longbench.e=true`` with the default (null) task list runs LongBench-E's 13 tasks; the report buckets them."""
+    import shutil
+
+    from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS
+    from spark_bench.report import main as report_main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, task in enumerate(LONGBENCH_E_TASKS):  # the fixtures, as <task>_e files with lengths in every bucket
+        records = [json.loads(line) for line in (FIXTURES / f"{task}.jsonl").read_text().splitlines()]
+        for r in records:
+            r["length"] = (1000, 5000, 9000)[i % 3]
+        (data / f"{task}_e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = subprocess.run(
+        [sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "benchmark=longbench", "longbench.e=true",
+         f"longbench.data_dir={data}", "method=snapkv", "budget=64", f"output_root={tmp_path}", "run=lbe"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "lbe" / "predictions.jsonl").read_text().splitlines()]
+    assert sorted(r["task"] for r in rows) == sorted(LONGBENCH_E_TASKS)
+    report_main([str(tmp_path / "lbe"), "--layout", "longbench_e", "--ci", "--out", str(tmp_path / "rep")])
+    md = (tmp_path / "rep" / "table.md").read_text()
+    assert "| Method | 0-4k | 4-8k | 8k+ | All |" in md and "| SnapKV | " in md
+
+
+def test_truncation_limit_per_model_config():
+    """LongBench cuts at the official fork's model2maxlen (Llama-3-8B 7950, not 7950 − 500), else context − 500;
+    ``longbench.max_length`` overrides both."""
+    from conftest import model_config
+    from spark_bench.benchmarks.longbench import truncation_limit
+
+    limits = {name: truncation_limit(model_config(name)) for name in
+              ("llama3-8b", "llama3.1-8b", "llama3.1-70b", "qwen3-8b", "qwen3-32b", "smollm2-135m", "tiny-llama")}
+    assert limits == {"llama3-8b": 7950, "llama3.1-8b": 127500, "llama3.1-70b": 127500, "qwen3-8b": 31500,
+                      "qwen3-32b": 31500, "smollm2-135m": 7692, "tiny-llama": 3596}
+    assert truncation_limit(model_config("llama3-8b"), 3000) == 3000
+    assert model_config("llama3-8b").max_length == 8192  # the context, against which RULER lengths are checked

@@ -81,8 +81,9 @@ def test_attention_over_every_store_equals_dense_reference(tiny_prefill):
         cache, _ = Pipeline.from_config(cfg).build_cache(tiny_prefill)
         layer = cache.layers[1]
         b, h, _, d = tiny_prefill.layers[1].keys.shape
-        layer.update(torch.randn(b, h, 3, d, generator=g), torch.randn(b, h, 3, d, generator=g))
-        query = torch.randn(b, 2 * h, 1, d, generator=g)
+        device = tiny_prefill.layers[1].keys.device
+        layer.update(torch.randn(b, h, 3, d, generator=g).to(device), torch.randn(b, h, 3, d, generator=g).to(device))
+        query = torch.randn(b, 2 * h, 1, d, generator=g).to(device)
         assert torch.allclose(layer.attend(query, d ** -0.5), layer.attend(query, d ** -0.5, "materialize"),
                               atol=1e-5)
 
@@ -105,6 +106,26 @@ def test_pyramid_fallbacks():
     # keep90 (official SparK fork): (B − W) // β = 4 < W makes the ramp infeasible → 90% of the prompt everywhere
     assert pyramid_budgets(128, 4096, 32, 32, fallback="keep90") == [round(0.9 * 4096)] * 32
     assert pyramid_budgets(2048, 16000, 32, 32, fallback="keep90") == pyramid_budgets(2048, 16000, 32, 32)
+
+
+def test_pyramid_kvpress_budgets_by_hand():
+    """The fork's kvpress ``get_layer_budget`` at S=6000, 32 layers, β=20 (window counted inside the budget)."""
+    from spark_bench.methods.eviction.pyramidkv import kvpress_budgets
+
+    # B=2048, W=64: min_num = 1984/20 = 99.2, max_num = 3968 − 99.2 = 3868.8, steps = 3769.6/31 = 121.6
+    ramp = kvpress_budgets(2048, 6000, 64, 32)
+    assert ramp[:3] == [3869, 3747, 3626] and ramp[-1] == 99
+    assert abs(sum(ramp) / 32 - (2048 - 64)) < 1  # layers average B − W
+    # B=1024, W=64: min_num = 960/20 = 48 < W → infeasible → round(6000 · (1 − 0.1)) in every layer
+    assert kvpress_budgets(1024, 6000, 64, 32) == [5400] * 32
+    # B=1024, W=32: min_num = 49.6 ≥ W → it ramps (what `keep90` with W=32 does differently from the fork)
+    ramp = kvpress_budgets(1024, 6000, 32, 32)
+    assert (ramp[0], ramp[1], ramp[-1]) == (1934, 1874, 50)
+    # a 20% fraction, W=64: capacity 64 + 1200, min_num = 60 < W → round(6000 · 0.2)
+    assert kvpress_budgets(0.2, 6000, 64, 32) == [1200] * 32
+    cfg = MethodConfig(name="pyramidkv", budget=2048, window_size=64, pyramid_fallback="kvpress")
+    pyramid = Pipeline.from_config(cfg).eviction
+    assert [pyramid.layer_budget(6000, i, 32) for i in (0, 31)] == [3869, 99]
 
 
 def test_pyramidkv_layers_keep_their_ramp(tiny_prefill):
@@ -133,6 +154,30 @@ def test_adasnapkv_spends_the_layer_budget_across_heads(tiny_prefill):
     assert free_kept.min() >= free_dropped.max()
 
 
+def test_adasnapkv_safeguard_modes_by_hand(tiny_prefill):
+    from spark_bench.methods.eviction.adasnapkv import safeguard_tokens
+
+    assert safeguard_tokens("kvpress", 0.2, 128, 32) == 19      # int(0.2 · 96)
+    assert safeguard_tokens("spark_fork", 0.2, 128, 32) == 0    # max(int(25.6) − 32, 0): none at B=128
+    assert safeguard_tokens("spark_fork", 0.2, 128, 64) == 0
+    assert safeguard_tokens("spark_fork", 0.2, 1024, 64) == 140  # int(204.8) − 64
+    assert safeguard_tokens("kvpress", 0.2, 1024, 64) == 192
+    # B=64, W=32 on the tiny prefill: kvpress reserves int(0.2 · 32) = 6 per head, the fork max(12 − 32, 0) = 0,
+    # so with no reserve the layer's tokens go wherever the scores are highest
+    layer = tiny_prefill.layers[1]
+    fork = AdaSnapKV(budget=64, safeguard="spark_fork").select(layer, 1, 2)
+    scores = AdaSnapKV(budget=64).token_scores(layer)
+    n_scored = scores.shape[-1]
+    chosen = torch.zeros_like(scores, dtype=torch.bool)
+    for head in range(layer.num_kv_heads):
+        idx = fork.indices[0, head][fork.valid[0, head]]
+        chosen[0, head, idx[idx < n_scored]] = True
+    assert int(chosen.sum()) == layer.num_kv_heads * 32
+    assert scores[chosen].min() >= scores[~chosen].max()
+    with pytest.raises(ValueError, match="ada_safeguard must be one of kvpress, spark_fork"):
+        MethodConfig(name="adasnapkv", ada_safeguard="bogus")
+
+
 def test_tova_keeps_last_token_and_its_top_attention(tiny_prefill):
     layer = tiny_prefill.layers[0]
     s = layer.keys.shape[-2]
@@ -140,7 +185,7 @@ def test_tova_keeps_last_token_and_its_top_attention(tiny_prefill):
     assert torch.equal(sel[0, 0], sel[0, 1]) and int(sel[0, 0, -1]) == s - 1
     scores = window_attention(layer, 1)[0, :, 0, :-1].mean(0)
     kept = sel[0, 0, :-1]
-    dropped = torch.ones(s - 1, dtype=torch.bool).scatter_(0, kept, False)
+    dropped = torch.ones(s - 1, dtype=torch.bool, device=kept.device).scatter_(0, kept, False)
     assert scores[kept].min() >= scores[dropped].max()
 
 
@@ -257,3 +302,31 @@ def test_fraction_budget_on_a_short_prompt_keeps_the_minimum_instead_of_failing(
     """0.1 of a 160-token prompt is 16 tokens, below SnapKV's window (32) and fine for sinks: never an error."""
     cache, _ = Pipeline.from_config(MethodConfig(name=name, budget=0.1)).build_cache(tiny_prefill)
     assert all(layer.key_store.length <= 160 for layer in cache.layers)
+
+
+def test_channel_window_is_separate_from_the_eviction_window(tiny_lm):
+    """window_size=64 for SnapKV, channel_window=32 for SparK (the official fork's split): the pipeline equals
+    SnapKV(W=64) eviction followed by SparK(W=32) on the evicted keys, and the prefill keeps 64 window queries."""
+    from conftest import DEVICE
+    from spark_bench.engine.prefill import run_prefill
+    from spark_bench.methods.base import gather_tokens
+    from spark_bench.methods.channel.spark import SparK
+    from spark_bench.methods.eviction.snapkv import SnapKV
+
+    cfg = MethodConfig(name="snapkv+spark", budget=80, ratio=0.8, window_size=64, channel_window=32)
+    assert (cfg.channel_window_size, cfg.observation_window) == (32, 64)
+    assert MethodConfig(name="snapkv+spark", window_size=48).channel_window_size == 48  # null: follows window_size
+    ids = torch.randint(100, 5000, (1, 200), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    prefill = run_prefill(tiny_lm.model, ids, window=cfg.observation_window)
+    pipeline = Pipeline.from_config(cfg)
+    assert (pipeline.eviction.window_size, pipeline.channel.window_size) == (64, 32)
+    cache, _ = pipeline.build_cache(prefill)
+    n = len(prefill.layers)
+    for i, layer in enumerate(prefill.layers):
+        indices = SnapKV(budget=80, window_size=64).select(layer, i, n).indices
+        keys = gather_tokens(layer.keys, indices)
+        expected = SparK(ratio=0.8, window_size=32).compress_keys(keys, layer, i)
+        assert torch.equal(cache.layers[i].key_store.materialize(), expected.materialize())
+        assert torch.equal(cache.layers[i].key_store.kept_mask(), expected.kept_mask())
+    with pytest.raises(ValueError, match=r"channel_window must be a positive integer \(tokens\), got 0"):
+        MethodConfig(name="spark", channel_window=0)

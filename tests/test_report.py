@@ -9,13 +9,20 @@ import pytest
 from spark_bench.report import main as report_main
 from spark_bench.report.frame import clean_method, read_paper_csv, read_runs, row_names
 from spark_bench.report.layouts import DIST, LONGBENCH, RULER, VARIANTS
+from spark_bench.report.paper import PAPER_DIR, paper_table, paper_tables
 from spark_bench.report.render import table, to_csv, to_latex, to_markdown
 
-PAPER = Path(__file__).resolve().parents[2] / "shared" / "paper" / "tables"
-needs_paper = pytest.mark.skipif(not PAPER.is_dir(), reason="../shared/paper/tables not beside the checkout")
+PAPER = PAPER_DIR  # the paper's tables ship inside the package
 
 
-@needs_paper
+def test_every_paper_table_ships_and_resolves_by_name():
+    assert {"tab_main", "tab_main_ruler", "tab_ab_dist", "tab_ab_var", "tab_app_kv_llama3-8b"} <= set(paper_tables())
+    assert paper_table("tab_main") == paper_table("tab_main.csv") == PAPER / "tab_main.csv"
+    assert paper_table("/gone/shared/paper/tables/tab_main_ruler.csv") == PAPER / "tab_main_ruler.csv"  # old paths
+    with pytest.raises(FileNotFoundError, match=r"paper table 'tab_nine': not a file .*shipped: tab_ab_dist"):
+        paper_table("tab_nine")
+
+
 @pytest.mark.parametrize("csv,layout", [("tab_main.csv", LONGBENCH), ("tab_full_llama3-8b.csv", LONGBENCH),
                                         ("tab_main_ruler.csv", RULER), ("tab_app_kv_llama3-8b.csv", LONGBENCH),
                                         ("tab_ab_dist.csv", DIST), ("tab_ab_var.csv", VARIANTS)])
@@ -30,7 +37,6 @@ def test_paper_table_round_trips_cell_for_cell(csv, layout):
     assert got == expected  # same rows, same order, same columns, same numbers
 
 
-@needs_paper
 def test_table1_layout_matches_the_paper():
     md = to_markdown(read_paper_csv(PAPER / "tab_main.csv"), LONGBENCH).splitlines()
     assert md[0].startswith("| | Single-Doc QA |") and "Multi-Doc QA" in md[0] and "Code" in md[0]
@@ -120,3 +126,29 @@ def test_make_targets_resolve_and_start(target):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "spark-bench (dry run):" in out.stdout and "method configs" in out.stdout
+    if target in ("table1", "table2"):
+        table = {"table1": "tab_main", "table2": "tab_main_ruler"}[target]
+        assert f"spark-bench-report: paper table {table} → " in out.stdout and "cells)" in out.stdout
+
+
+def test_report_with_intervals_paired_deltas_and_claims(run_dir, tmp_path):
+    report_main([str(run_dir), "--layout", "ruler", "--ci", "--claims", "--out", str(tmp_path / "rep")])
+    md = (tmp_path / "rep" / "table.md").read_text()
+    assert " ± " in md and "Samples per cell: 1." in md and "seeded 95% bootstrap interval" in md
+    csv = pd.read_csv(tmp_path / "rep" / "table.csv")
+    assert {"n", "low", "high"} <= set(csv.columns) and set(csv[csv.column == "Niah1"].n) == {1}
+    paired = pd.read_csv(tmp_path / "rep" / "paired.csv")
+    spark = paired[(paired.method == "+SparK (0.8)")].iloc[0]
+    assert spark.base == "SnapKV" and spark.wins + spark.ties + spark.losses == 2
+    assert set(paired[paired.method == "SnapKV"].base) == {"Vanilla"}
+    claims = pd.read_csv(tmp_path / "rep" / "claims.csv")
+    assert len(claims) == 5 and set(claims.verdict) <= {"holds", "fails", "inconclusive"}
+    assert r"$\pm$" in (tmp_path / "rep" / "table.tex").read_text()
+
+
+def test_task_scores_are_averaged_as_printed():
+    frame = pd.DataFrame([("", "Vanilla", "Vanilla", "Niah1", 100 / 3), ("", "Vanilla", "Vanilla", "Niah2", 200 / 3)],
+                         columns=["block", "group", "method", "column", "value"])
+    rows, columns, cells = table(frame, RULER)
+    assert cells[("", "Vanilla", "Vanilla", "Avg.")] == (33.33 + 66.67) / 2  # rounded task scores, then the mean
+    assert "33.333333" in to_csv(frame, RULER)  # the CSV keeps full precision

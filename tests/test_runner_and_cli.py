@@ -113,3 +113,47 @@ def test_missing_gguf_file_names_model_and_path():
 
     with pytest.raises(FileNotFoundError, match=r"model broken: GGUF file not found: /nonexistent/m\.gguf"):
         load_model(ModelConfig(name="broken", source="gguf", path="/nonexistent/m.gguf"), "cpu")
+
+
+# ---- table labels inside a sweep ----------------------------------------------------------------------------------
+
+def test_sweep_labels_name_the_options_that_differ_and_refuse_repeats():
+    from spark_bench.methods.pipeline import sweep_labels
+
+    kept = MethodConfig(name="snapkv+think", budget=64, ratio=0.5)
+    dense = MethodConfig(name="snapkv+think", budget=64, ratio=0.5, think_keep_window=False)
+    narrow = MethodConfig(name="snapkv+think", budget=64, ratio=0.5, think_keep_window=False, window_size=16)
+    assert sweep_labels([kept, dense, narrow, MethodConfig(name="full")]) == [
+        "SnapKV+ThinK(0.5) @64 [window_size=32, think_keep_window=true]",
+        "SnapKV+ThinK(0.5) @64 [window_size=32, think_keep_window=false]",
+        "SnapKV+ThinK(0.5) @64 [window_size=16, think_keep_window=false]", "Full"]
+    assert sweep_labels(SWEEP) == [c.label for c in SWEEP]  # nothing shared: the plain labels
+    with pytest.raises(ValueError, match=r"^the sweep lists the same method config more than once: "
+                                         r"SnapKV\+ThinK\(0\.5\) @64$"):
+        sweep_labels([kept, MethodConfig(name="full"), kept])
+
+
+def test_configs_differing_only_in_an_option_get_their_own_rows(tiny_lm, samples, tmp_path):
+    from spark_bench.report.frame import read_runs
+    from spark_bench.report.layouts import RULER
+
+    configs = [MethodConfig(name="snapkv+think", budget=64, ratio=0.5),
+               MethodConfig(name="snapkv+think", budget=64, ratio=0.5, think_keep_window=False)]
+    preds = run_sweep(tiny_lm, samples[:1], configs, tmp_path, log=lambda m: None)
+    assert list(preds.config) == ["SnapKV+ThinK(0.5) @64 [think_keep_window=true]",
+                                  "SnapKV+ThinK(0.5) @64 [think_keep_window=false]"]
+    assert preds.kv_bytes.iloc[0] > preds.kv_bytes.iloc[1]  # the dense window really is kept in one of them
+    rows = read_runs([tmp_path], RULER)
+    assert sorted(rows.method.unique()) == ["+ThinK (0.5) [think_keep_window=false]",
+                                            "+ThinK (0.5) [think_keep_window=true]"]
+
+
+def test_repeated_sweep_config_is_one_line_before_anything_runs_even_in_a_dry_run(tmp_path):
+    for extra in ([], ["dry_run=true"]):
+        proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", *extra,
+                               "sweep.configs=[{name:snapkv,budget:64},{name:full},{name:snapkv,budget:64}]",
+                               f"output_root={tmp_path}"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [
+            "spark-bench: error: sweep.configs: the sweep lists the same method config more than once: SnapKV @64"]
+        assert not any(tmp_path.iterdir())

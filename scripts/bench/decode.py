@@ -8,7 +8,8 @@
 * One batched decode step over the demo's compressed caches vs the same step with a plain dense transformers
   ``DynamicCache`` holding the full prompt for every row (the reference limit), at the same batch size.
 
-Writes ``results/bench/decode.json``.
+Writes ``results/bench/decode.json``. ``--model``/``--device`` measure another model config (a name under
+``conf/model`` or a YAML path) on another device, e.g. a random SmolLM2-shaped model on a GPU (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -36,15 +37,25 @@ NEEDLES = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
            "niah_multikey_3", "niah_multivalue", "niah_multiquery"]
 
 
+# the 14-config sweep (Table 2's SnapKV rows at 20% and 50% + the λ sweep of Fig. 5a with and without recovery)
+FOURTEEN = [dict(name="full"), dict(name="snapkv", budget=0.2), dict(name="snapkv", budget=0.5)] + [
+    dict(name=f"snapkv+{m}", budget=0.2, ratio=r) for m in ("think", "spark") for r in (0.3, 0.5, 0.8)] + [
+    dict(name="snapkv+spark", budget=0.2, ratio=r, recovery="none") for r in (0.3, 0.5, 0.8)] + [
+    dict(name="snapkv+think", budget=0.5, ratio=0.8), dict(name="snapkv+spark", budget=0.5, ratio=0.8)]
+
+
 def sweep_configs(name: str) -> list[MethodConfig]:
+    if name == "fourteen":
+        return [MethodConfig(**entry) for entry in FOURTEEN]
     entries = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "sweep" / f"{name}.yaml"))["configs"]
     return [MethodConfig(**entry) for entry in entries]
 
 
-def timed_sweep(lm, samples, configs, out: Path, decode_batch) -> dict:
+def timed_sweep(lm, samples, configs, out: Path, decode_batch, decode_samples: int = 1) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # fresh: an existing results dir would resume and compute nothing
     start = time.perf_counter()
-    preds = run_sweep(lm, samples, configs, out, log=lambda m: None, decode_batch=decode_batch)
+    preds = run_sweep(lm, samples, configs, out, log=lambda m: None, decode_batch=decode_batch,
+                      decode_samples=decode_samples)
     wall = time.perf_counter() - start
     prefill = float(preds.groupby("id").prefill_s.first().sum())
     decode, compress = float(preds.decode_s.sum()), float(preds.compress_s.sum())
@@ -58,38 +69,50 @@ def timed_sweep(lm, samples, configs, out: Path, decode_batch) -> dict:
 
 
 def compare(lm, samples, configs, scratch: Path, name: str) -> dict:
+    """decode_batch=1 vs the default (all configs of a sample) vs two samples' configs per batch."""
     one = timed_sweep(lm, samples, configs, scratch / f"{name}_1", 1)
     batched = timed_sweep(lm, samples, configs, scratch / f"{name}_all", None)
-    same = one.pop("tokens") == batched.pop("tokens")
+    pairs = timed_sweep(lm, samples, configs, scratch / f"{name}_pairs", None, decode_samples=2)
+    same = one.pop("tokens") == batched.pop("tokens") == pairs.pop("tokens")
     return {"configs": len(configs), "samples": len(samples), "decode_batch_1": one, "batched": batched,
-            "speedup": round(one["wall_s"] / batched["wall_s"], 2), "identical_tokens": same}
+            "batched_2_samples": pairs, "speedup": round(one["wall_s"] / batched["wall_s"], 2),
+            "speedup_2_samples": round(one["wall_s"] / pairs["wall_s"], 2),
+            "decode_speedup": round(one["decode_forward_s"] / batched["decode_forward_s"], 2),
+            "identical_tokens": same}
 
 
 @torch.inference_mode()
 def step_ms(lm, sample, configs, steps: int, repeats: int) -> dict:
     """Median ms of one decode step for all ``configs`` batched, and for a dense DynamicCache batch of that size."""
     model = lm.model
-    prefill = run_prefill(model, torch.tensor([sample.input_ids]), 32)
+    device = model.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    prefill = run_prefill(model, torch.tensor([sample.input_ids], device=device), 32)
     per_step = []
     for _ in range(repeats):
         selections = {}
         rows = [DecodeRow(Pipeline.from_config(c).build_cache(prefill, selections=selections)[0],
                           prefill.first_logits, prefill.prompt_length, steps + 1, frozenset()) for c in configs]
+        sync()
         start = time.perf_counter()
         decode_rows(model, rows)
+        sync()
         per_step.append((time.perf_counter() - start) / steps)
     r = len(configs)
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([sample.input_ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=torch.tensor([sample.input_ids], device=device), past_key_values=cache, use_cache=True,
+          logits_to_keep=1)
     for layer in cache.layers:
         layer.keys = layer.keys.expand(r, -1, -1, -1).contiguous()
         layer.values = layer.values.expand(r, -1, -1, -1).contiguous()
-    token = torch.full((r, 1), prefill.first_token)
+    token = torch.full((r, 1), prefill.first_token, device=device)
     dense = []
     for i in range(steps):
-        position = torch.full((r, 1), prefill.prompt_length + i)
+        position = torch.full((r, 1), prefill.prompt_length + i, device=device)
+        sync()
         start = time.perf_counter()
         model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        sync()
         dense.append(time.perf_counter() - start)
     compressed, dense_ms = 1000 * statistics.median(per_step), 1000 * statistics.median(dense)
     return {"batch": r, "prompt_tokens": prefill.prompt_length, "compressed_step_ms": round(compressed, 1),
@@ -102,17 +125,25 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1, help="samples per needle task (8 tasks)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=Path("results/bench/decode.json"))
+    parser.add_argument("--model", default="smollm2-135m", help="a name under conf/model, or a model YAML path")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sweeps", default="demo,fourteen", help="comma-separated: demo, fourteen")
+    parser.add_argument("--steps-only", action="store_true", help="only (re)measure the single-step comparison")
     args = parser.parse_args()
-    model_cfg = ModelConfig.from_dict(OmegaConf.to_container(OmegaConf.load(ROOT / "conf/model/smollm2-135m.yaml")))
-    lm = load_model(model_cfg, "cpu")
+    sweeps = args.sweeps.split(",")
+    if not set(sweeps) <= {"demo", "fourteen"}:
+        parser.error(f"--sweeps {args.sweeps}: valid names are demo, fourteen")
+    model_file = Path(args.model) if args.model.endswith(".yaml") else ROOT / "conf" / "model" / f"{args.model}.yaml"
+    model_cfg = ModelConfig.from_dict(OmegaConf.to_container(OmegaConf.load(model_file)))
+    lm = load_model(model_cfg, args.device)
     samples = load_ruler(NEEDLES, args.length, args.samples, 42, lm, args.max_new_tokens)
     scratch = args.out.parent / "decode_runs"
-    result = {"model": model_cfg.name, "length": args.length, "max_new_tokens": args.max_new_tokens,
-              "threads": torch.get_num_threads(),
-              "demo": compare(lm, samples, sweep_configs("demo"), scratch, "demo"),
-              "paper_shape": compare(lm, samples, sweep_configs("paper_shape"), scratch, "paper_shape"),
-              "step_demo": step_ms(lm, samples[0], sweep_configs("demo"), steps=12, repeats=3),
-              "step_paper_shape": step_ms(lm, samples[0], sweep_configs("paper_shape"), steps=12, repeats=3)}
+    result = json.loads(args.out.read_text()) if args.steps_only else {
+        "model": model_cfg.name, "length": args.length, "max_new_tokens": args.max_new_tokens,
+        "threads": torch.get_num_threads(), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        **{name: compare(lm, samples, sweep_configs(name), scratch, name) for name in sweeps}}
+    for name in sweeps:
+        result[f"step_{name}"] = step_ms(lm, samples[0], sweep_configs(name), steps=12, repeats=3)
     shutil.rmtree(scratch, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

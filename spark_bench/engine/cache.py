@@ -1,10 +1,12 @@
-"""A transformers :class:`~transformers.Cache` whose prompt part lives in compact stores.
+"""Transformers :class:`~transformers.Cache` objects whose prompt part lives in compact stores.
 
-Each layer holds the prompt's keys and values in :mod:`spark_bench.storage` stores (compressed once, after
-prefill) and the decoded tokens' keys/values densely, as the official implementations do. Attention over a
-layer is computed here (:meth:`StoredLayer.attend`), by :mod:`spark_bench.engine.attention`, so the key matrix of
-a channel-pruned store is never rebuilt unless a store has no faster way (``attention="materialize"`` forces the
-dense reference path: rebuild keys and values, then run the model's usual SDPA).
+A method config's :class:`CompressedCache` holds, per layer (:class:`StoredLayer`), the prompt's keys and values in
+:mod:`spark_bench.storage` stores (compressed once, after prefill); its ``nbytes`` are the bytes reported. Decoding
+runs a :class:`BatchedCache`: one row per config still generating, each row's prompt attention over its own stores,
+and the decoded tokens of all rows in one dense preallocated tail, as the official implementations keep decoded
+tokens dense. The two parts are merged exactly (:class:`Partial`, :func:`merge`). Attention is computed here, called
+by :mod:`spark_bench.engine.attention`, so the key matrix of a channel-pruned store is never rebuilt unless a store
+has no faster way (``attention="materialize"`` forces the dense reference: rebuild the keys, then a plain matmul).
 """
 
 from __future__ import annotations

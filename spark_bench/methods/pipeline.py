@@ -13,7 +13,7 @@ from spark_bench.methods.channel.recovery import RECOVERY_MODES, STATS
 from spark_bench.methods.channel.spark import GROUP_RATIOS, SALIENCY_MODES, VARIANTS, SparK
 from spark_bench.methods.channel.think import ThinK
 from spark_bench.methods.channel.value_norm import ValueNorm
-from spark_bench.methods.eviction.adasnapkv import AdaSnapKV
+from spark_bench.methods.eviction.adasnapkv import SAFEGUARDS, AdaSnapKV
 from spark_bench.methods.eviction.expected_attention import ExpectedAttention
 from spark_bench.methods.eviction.pyramidkv import FALLBACKS, PyramidKV
 from spark_bench.methods.eviction.snapkv import SnapKV
@@ -31,13 +31,14 @@ EVICTION_METHODS = {
     "streamingllm": lambda c: StreamingLLM(budget=c.budget, n_sink=c.n_sink),
     "snapkv": lambda c: SnapKV(**_snapkv_args(c)),
     "pyramidkv": lambda c: PyramidKV(**_snapkv_args(c), beta=c.beta, fallback=c.pyramid_fallback),
-    "adasnapkv": lambda c: AdaSnapKV(**_snapkv_args(c), alpha_safeguard=c.alpha_safeguard),
+    "adasnapkv": lambda c: AdaSnapKV(**_snapkv_args(c), alpha_safeguard=c.alpha_safeguard,
+                                     safeguard=c.ada_safeguard),
     "tova": lambda c: TOVA(budget=c.budget),
     "expected_attention": lambda c: ExpectedAttention(budget=c.budget, n_sink=c.n_sink),
 }
 CHANNEL_METHODS = {
-    "think": lambda c: ThinK(ratio=c.ratio, window_size=c.window_size, keep_window=c.think_keep_window),
-    "spark": lambda c: SparK(ratio=c.ratio, window_size=c.window_size, saliency=c.saliency, recovery=c.recovery,
+    "think": lambda c: ThinK(ratio=c.ratio, window_size=c.channel_window_size, keep_window=c.think_keep_window),
+    "spark": lambda c: SparK(ratio=c.ratio, window_size=c.channel_window_size, saliency=c.saliency, recovery=c.recovery,
                              variant=c.variant, top_p=c.top_p, groups=c.groups, constant=c.constant, seed=c.seed,
                              recovery_stats=c.recovery_stats),
 }
@@ -49,7 +50,7 @@ METHOD_NAMES = ("full", *EVICTION_METHODS, *CHANNEL_METHODS,
 
 # option name → allowed values, for the options with a closed set (checked before anything runs)
 CHOICES = {"saliency": SALIENCY_MODES, "recovery": RECOVERY_MODES, "recovery_stats": STATS, "variant": VARIANTS, "pooling": ("max", "avg"),
-           "pyramid_fallback": FALLBACKS}
+           "pyramid_fallback": FALLBACKS, "ada_safeguard": SAFEGUARDS}
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,9 @@ class MethodConfig:
     ``budget``: KV size in tokens (≥ 1) or a fraction of the prompt (< 1). ``ratio``: key-channel pruning ratio
     λ; ``value_ratio``: value-channel pruning ratio λ_v (Appendix D, composes with any method). SparK options:
     ``saliency``, ``recovery`` (+ ``recovery_stats``), ``variant`` (``fixed``/``top_p``/``group``) with ``top_p`` and ``groups``,
-    ``constant`` (for ``recovery=constant``) and ``seed`` (Gaussian/Exponential sampling).
+    ``constant`` (for ``recovery=constant``) and ``seed`` (Gaussian/Exponential sampling). Observation windows:
+    ``window_size`` for SnapKV / PyramidKV / AdaSnapKV (and for ThinK / SparK unless ``channel_window`` is set;
+    the official SparK fork uses 64 for the former, kvpress's default, and 32 for the latter).
     """
 
     name: str = "full"
@@ -67,6 +70,7 @@ class MethodConfig:
     ratio: float = 0.0
     value_ratio: float = 0.0
     window_size: int = 32
+    channel_window: int | None = None
     kernel_size: int = 7
     pooling: str = "max"
     saliency: str = "official"
@@ -82,6 +86,7 @@ class MethodConfig:
     beta: int = 20
     pyramid_fallback: str = "original"
     alpha_safeguard: float = 0.2
+    ada_safeguard: str = "kvpress"
 
     def __post_init__(self):
         if self.name not in METHOD_NAMES:
@@ -92,6 +97,10 @@ class MethodConfig:
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {', '.join(allowed)}; got {getattr(self, key)!r}")
+        for key in ("window_size", "channel_window"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{key} must be a positive integer (tokens), got {value!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.groups not in GROUP_RATIOS:
@@ -104,6 +113,16 @@ class MethodConfig:
         if unknown:
             raise ValueError(f"unknown method option(s) {unknown}; valid: {sorted(known)}")
         return cls(**values)
+
+    @property
+    def channel_window_size(self) -> int:
+        """ThinK / SparK observation window: ``channel_window``, else ``window_size``."""
+        return self.channel_window if self.channel_window is not None else self.window_size
+
+    @property
+    def observation_window(self) -> int:
+        """Window queries the prefill must keep for this config (the larger window it uses)."""
+        return max(self.window_size, self.channel_window_size if self.channel_name else 1)
 
     @property
     def eviction_name(self) -> str | None:
@@ -144,6 +163,37 @@ class MethodConfig:
         return asdict(self)
 
 
+def _option_text(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def tell_apart(labels: list[str], methods: list[dict]) -> list[str]:
+    """``labels`` with `` [key=value, ...]`` appended wherever several entries share a label but not their options:
+    the options in which the entries of that label differ (e.g. two ``SnapKV+ThinK(0.5) @128`` rows that differ
+    in ``think_keep_window``, or in the window). Entries with equal options keep equal labels."""
+    out = list(labels)
+    for label in dict.fromkeys(labels):
+        members = [i for i, other in enumerate(labels) if other == label]
+        keys = [k for k in methods[members[0]] if k != "name"
+                and len({repr(methods[i].get(k)) for i in members}) > 1]
+        if keys:
+            for i in members:
+                out[i] = f"{label} [" + ", ".join(f"{k}={_option_text(methods[i].get(k))}" for k in keys) + "]"
+    return out
+
+
+def sweep_labels(configs: list[MethodConfig]) -> list[str]:
+    """One distinct table label per config of a sweep (:attr:`MethodConfig.label`, told apart by
+    :func:`tell_apart`); ``ValueError`` (one line) when the sweep lists the same config twice."""
+    labels = tell_apart([c.label for c in configs], [c.to_dict() for c in configs])
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ValueError(f"the sweep lists the same method config more than once: {'; '.join(twice)}")
+    return labels
+
+
 def build_eviction(cfg: MethodConfig) -> EvictionMethod | None:
     return EVICTION_METHODS[cfg.eviction_name](cfg) if cfg.eviction_name else None
 
@@ -160,11 +210,12 @@ class Pipeline:
     eviction: EvictionMethod | None
     channel: ChannelMethod | None
     values: ValueNorm | None
+    label: str = ""  # the table row (from :func:`sweep_labels` in a sweep; the config's own label alone)
 
     @classmethod
-    def from_config(cls, cfg: MethodConfig) -> "Pipeline":
+    def from_config(cls, cfg: MethodConfig, label: str | None = None) -> "Pipeline":
         return cls(config=cfg, eviction=build_eviction(cfg), channel=build_channel(cfg),
-                   values=ValueNorm(cfg.value_ratio) if cfg.value_ratio else None)
+                   values=ValueNorm(cfg.value_ratio) if cfg.value_ratio else None, label=label or cfg.label)
 
     @property
     def query_stats(self) -> QueryStatsSpec | None:

@@ -1,8 +1,10 @@
 """``spark-bench-report``: any set of runs (or a paper CSV) in the paper's table layouts, as Markdown, CSV and
 LaTeX, optionally beside the paper's numbers; plus the Fig. 5 plots.
 
-    spark-bench-report results/table1 --layout longbench --paper ../shared/paper/tables/tab_main.csv --out out/
-    spark-bench-report paper:../shared/paper/tables/tab_main.csv --layout longbench     # the paper's own table
+    spark-bench-report results/table1 --layout longbench --paper tab_main --out out/
+    spark-bench-report paper:tab_main --layout longbench              # the paper's own table (shipped CSVs)
+    spark-bench-report results/paper_shape --layout ruler --ci --claims --out out/   # intervals, Δ, claims
+    spark-bench-report --paper tab_main --check                       # does the paper table resolve?
 """
 
 from __future__ import annotations
@@ -13,18 +15,30 @@ from pathlib import Path
 
 import pandas as pd
 
-from spark_bench.report.frame import read_paper_csv, read_runs
+from spark_bench.report import stats
+from spark_bench.report.frame import read_paper_csv, read_runs, read_sample_scores
 from spark_bench.report.layouts import LAYOUTS, Layout
+from spark_bench.report.paper import paper_table, paper_tables
 from spark_bench.report.render import to_csv, to_latex, to_markdown
 
 FORMATS = {"md": to_markdown, "csv": to_csv, "tex": to_latex}
 
 
-def build(inputs: list[str], layout: Layout) -> pd.DataFrame:
-    """Runs (directories) and paper tables (``paper:<csv>``) in one long frame."""
+def build(inputs: list[str], layout: Layout, ci: bool = False, resamples: int = stats.RESAMPLES,
+          seed: int = stats.SEED) -> pd.DataFrame:
+    """Runs (directories) and paper tables (``paper:<csv>``) in one long frame; ``ci``: runs' cells with their
+    bootstrap intervals (:func:`~spark_bench.report.compare.interval_frame`)."""
     frames = [read_paper_csv(i[len("paper:"):]) for i in inputs if i.startswith("paper:")]
     runs = [i for i in inputs if not i.startswith("paper:")]
-    if runs:
+    if runs and layout.name == "longbench_e":
+        from spark_bench.report.compare import length_frame
+
+        frames.append(length_frame(read_sample_scores(runs, layout), resamples, seed, ci))
+    elif runs and ci:
+        from spark_bench.report.compare import interval_frame
+
+        frames.append(interval_frame(read_sample_scores(runs, layout), layout, resamples, seed))
+    elif runs:
         frames.append(read_runs(runs, layout))
     return pd.concat(frames, ignore_index=True)
 
@@ -32,30 +46,59 @@ def build(inputs: list[str], layout: Layout) -> pd.DataFrame:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="spark-bench-report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("inputs", nargs="+", help="results directories, or paper:<csv> for a transcribed table")
+    parser.add_argument("inputs", nargs="*", help="results directories, or paper:<table> for a paper table")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="ruler")
-    parser.add_argument("--paper", help="a paper CSV (../shared/paper/tables/*.csv) to set beside ours")
+    parser.add_argument("--paper", help=f"a paper table to set beside ours: a shipped name ({', '.join(paper_tables())})"
+                                        " or a CSV path")
+    parser.add_argument("--check", action="store_true", help="only check that --paper resolves (prints its path)")
+    parser.add_argument("--ci", action="store_true",
+                        help="cells as mean ± 95%% bootstrap half-width, plus each row's paired Δ against its base")
+    parser.add_argument("--claims", action="store_true", help="check the paper's claims on the runs (verdicts)")
+    parser.add_argument("--resamples", type=int, default=stats.RESAMPLES, help="bootstrap resamples (1000)")
+    parser.add_argument("--seed", type=int, default=stats.SEED, help="bootstrap seed (0)")
     parser.add_argument("--out", type=Path, help="directory for table.md / table.csv / table.tex (and figures)")
     parser.add_argument("--name", default="table", help="file stem of the written tables")
     parser.add_argument("--figures", action="store_true", help="also write Fig. 5a/5c PNGs from the runs")
     args = parser.parse_args(argv)
     try:
+        if args.check:
+            if not args.paper:
+                raise ValueError("--check needs --paper NAME")
+            path = paper_table(args.paper)
+            print(f"spark-bench-report: paper table {args.paper} → {path} ({len(read_paper_csv(path))} cells)")
+            return
+        if not args.inputs:
+            raise ValueError("no inputs: give results directories and/or paper:<table>")
         layout = LAYOUTS[args.layout]
-        frame = build(args.inputs, layout)
+        frame = build(args.inputs, layout, args.ci, args.resamples, args.seed)
         paper = read_paper_csv(args.paper) if args.paper else None
+        runs = [i for i in args.inputs if not i.startswith("paper:")]
+        samples = read_sample_scores(runs, layout) if runs and (args.ci or args.claims) else None
     except (FileNotFoundError, ValueError, KeyError) as err:
         print(f"spark-bench-report: error: {err}", file=sys.stderr)
         sys.exit(2)
-    print(to_markdown(frame, layout, paper))
+    outputs = {f"{args.name}.{ext}": render(frame, layout, paper) for ext, render in FORMATS.items()}
+    print(outputs[f"{args.name}.md"])
+    if samples is not None and args.ci and layout.name != "longbench_e":
+        from spark_bench.report.compare import paired_frame, paired_markdown
+
+        paired = paired_frame(samples, layout, args.resamples, args.seed)
+        outputs["paired.md"], outputs["paired.csv"] = paired_markdown(paired), paired.to_csv(index=False)
+        print("Paired with each row's base (same samples):\n\n" + outputs["paired.md"])
+    if samples is not None and args.claims:
+        from spark_bench.report import claims
+
+        verdicts = claims.check(samples, layout, args.resamples, args.seed)
+        outputs["claims.md"], outputs["claims.csv"] = claims.to_markdown(verdicts), verdicts.to_csv(index=False)
+        print("The paper's claims on these runs:\n\n" + outputs["claims.md"])
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        for ext, render in FORMATS.items():
-            (args.out / f"{args.name}.{ext}").write_text(render(frame, layout, paper), encoding="utf-8")
+        for name, text in outputs.items():
+            (args.out / name).write_text(text, encoding="utf-8")
         if args.figures:
             from spark_bench.report.figures import figure_bytes, figure_ratio, load_predictions
 
-            runs = [i for i in args.inputs if not i.startswith("paper:")]
             preds = load_predictions(runs)
             figure_ratio(preds, args.out / "fig5a_score_vs_ratio.png")
             figure_bytes(preds, args.out / "fig5c_score_vs_bytes.png")
-        print(f"spark-bench-report: wrote {args.out}/{args.name}.{{md,csv,tex}}")
+        print(f"spark-bench-report: wrote {', '.join(sorted(outputs))} to {args.out}")

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from spark_bench.methods.pipeline import DISPLAY
+from spark_bench.methods.pipeline import DISPLAY, tell_apart
 from spark_bench.report.layouts import Layout
+from spark_bench.report.paper import paper_table
 
 COLUMNS = ["block", "group", "method", "column", "value"]
 _LATEX = re.compile(r"^(?:\\[A-Za-z]+(?:\{[^}]*\}|[\d-]+)?\s*)+")
@@ -27,7 +28,8 @@ def clean_method(text: str) -> str:
 
 
 def read_paper_csv(path: str | Path) -> pd.DataFrame:
-    raw = pd.read_csv(path, keep_default_na=False, dtype={"value": str})
+    """A paper table (a shipped name such as ``tab_main``, or a CSV path) in the long format."""
+    raw = pd.read_csv(paper_table(path), keep_default_na=False, dtype={"value": str})
     rows, group = [], ""
     for block, method, column, value in raw[["block", "method", "column", "value"]].itertuples(index=False):
         method = clean_method(method)
@@ -64,6 +66,17 @@ def row_names(method: dict) -> tuple[str, str, str]:
     if channel == "spark" and method.get("recovery", "degenerate") != "degenerate":
         label += f" [{method['recovery']}]"
     return block, group, ("+" + label) if eviction else label
+
+
+def config_rows(preds: pd.DataFrame) -> list[tuple[pd.DataFrame, str, str, str]]:
+    """(predictions, block, group, row label) per method config of one run; configs that would share a row (they
+    differ only in options the paper's labels do not show, e.g. windows) are told apart by those options."""
+    groups = [group for _, group in preds.groupby("config", sort=False)]
+    names = [row_names(group.iloc[0]["method"]) for group in groups]
+    keys = ["\t".join(name) for name in names]
+    told = tell_apart(keys, [group.iloc[0]["method"] for group in groups])
+    return [(group, block, base, method + tag[len(key):])
+            for group, (block, base, method), key, tag in zip(groups, names, keys, told)]
 
 
 RECOVERY_NAMES = {"gaussian": "Normal", "exponential": "Exponential", "degenerate": "Degenerate"}
@@ -117,11 +130,32 @@ def read_runs(directories, layout: Layout) -> pd.DataFrame:
     rows = []
     for directory in directories:
         preds = _load(directory)
-        for label, group in preds.groupby("config", sort=False):
-            block, base, method = row_names(group.iloc[0]["method"])
+        for group, block, base, method in config_rows(preds):
             for task, scores in group.groupby("task", sort=False):
                 column = (layout.task_names or {}).get(task, task)
-                rows.append((block, base, method, column, scores.score.mean()))
-            rows.append((block, base, method, "KV %", 100 * (group.kv_bytes / group.kv_bytes_full).mean()))
-            rows.append((block, base, method, "Key ratio", group.key_ratio.mean()))
-    return pd.DataFrame(rows, columns=COLUMNS)
+                rows.append((block, base, method, column, scores.score.mean(), len(scores)))
+            rows.append((block, base, method, "KV %", 100 * (group.kv_bytes / group.kv_bytes_full).mean(), len(group)))
+            rows.append((block, base, method, "Key ratio", group.key_ratio.mean(), len(group)))
+    return pd.DataFrame(rows, columns=[*COLUMNS, "n"])
+
+
+SAMPLE_COLUMNS = ["block", "group", "method", "column", "id", "score", "kv_bytes", "kv_bytes_full", "key_ratio",
+                  "length"]
+
+
+def read_sample_scores(directories, layout: Layout) -> pd.DataFrame:
+    """One row per (method config, sample) of every run: the rows and columns of the layout, plus the sample id,
+    its score, the KV bytes held and the LongBench length (words; None for RULER). The statistics of
+    :mod:`spark_bench.report.stats` resample these."""
+    frames = []
+    for directory in directories:
+        preds = _load(directory)
+        for group, block, base, method in config_rows(preds):
+            frames.append(pd.DataFrame({
+                "block": block, "group": base, "method": method,
+                "column": group.task.map(lambda t: (layout.task_names or {}).get(t, t)), "id": group.id,
+                "score": group.score, "kv_bytes": group.kv_bytes, "kv_bytes_full": group.kv_bytes_full,
+                "key_ratio": group.key_ratio, "length": group["length"] if "length" in group else None}))
+    if not frames:
+        raise ValueError(f"no predictions in {', '.join(map(str, directories))}")
+    return pd.concat(frames, ignore_index=True)[SAMPLE_COLUMNS]

@@ -37,4 +37,12 @@ BUDGETS = ("KV-size 128", "KV-size 512", "KV-size 1024", "KV-size 2048")
 # ablations (Tables 4–5): one row per setting, one column per KV budget holding the task average
 DIST = Layout("dist", BUDGETS, average=False)
 VARIANTS = Layout("variants", (*BUDGETS, "Overall ratio"), average=False)
-LAYOUTS = {"longbench": LONGBENCH, "ruler": RULER, "dist": DIST, "variants": VARIANTS}
+# LongBench-E: each row's score per length bucket of the records (LongBench's `scorer_e`), and over all records
+LENGTH_BUCKETS = ("0-4k", "4-8k", "8k+")
+LONGBENCH_E = Layout("longbench_e", (*LENGTH_BUCKETS, "All"), average=False, task_names=LONGBENCH.task_names)
+LAYOUTS = {"longbench": LONGBENCH, "longbench_e": LONGBENCH_E, "ruler": RULER, "dist": DIST, "variants": VARIANTS}
+
+
+def length_bucket(length) -> str:
+    """LongBench's bucket of a record by its ``length`` field (words): < 4000, < 8000, the rest."""
+    return "0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"

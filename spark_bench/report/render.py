@@ -28,9 +28,14 @@ def _order_rows(frame: pd.DataFrame) -> list[tuple[str, str, str]]:
     return ordered
 
 
+def official_round(value: float) -> float:
+    """Task scores as the official scorers print them (LongBench ``round(100·mean, 2)``, RULER likewise)."""
+    return value if value is None or (isinstance(value, float) and math.isnan(value)) else round(value, 2)
+
+
 def table(frame: pd.DataFrame, layout: Layout) -> tuple[list[tuple[str, str, str]], list[str], dict]:
     """(rows, columns, cells) of the layout; ``Avg.`` is taken from the frame when present, else the mean of the
-    layout's columns."""
+    layout's columns as printed (each rounded to 2 decimals first, as the paper averages printed task scores)."""
     frame = frame.assign(column=frame.column.replace({"Avg": AVG}))
     present = set(frame.column)
     ordered = [c for c in layout.columns if c in present]
@@ -42,7 +47,7 @@ def table(frame: pd.DataFrame, layout: Layout) -> tuple[list[tuple[str, str, str
     rows = _order_rows(frame)
     for row in rows if layout.average else ():
         if (*row, AVG) not in cells:
-            values = [cells[(*row, c)] for c in columns if (*row, c) in cells]
+            values = [official_round(cells[(*row, c)]) for c in columns if (*row, c) in cells]
             cells[(*row, AVG)] = sum(values) / len(values) if values else float("nan")
     columns += ([AVG] if layout.average else []) + [c for c in EXTRA if c in present]
     return rows, columns, cells
@@ -52,14 +57,36 @@ def _fmt(value, digits: int = 2) -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
-def _cell(ours, paper, side_by_side: bool) -> str:
+def intervals(frame: pd.DataFrame) -> dict:
+    """``{(block, group, method, column): half-width}`` of the cells that carry an interval (``low``/``high``)."""
+    if "low" not in frame or "high" not in frame:
+        return {}
+    keep = frame.dropna(subset=["low", "high"])
+    return {(b, g, m, c): (hi - lo) / 2 for b, g, m, c, lo, hi
+            in keep[["block", "group", "method", "column", "low", "high"]].itertuples(index=False)}
+
+
+def sample_counts(frame: pd.DataFrame) -> str:
+    """A line saying how many samples stand behind the cells (``n``), or '' when the frame has no counts."""
+    if "n" not in frame:
+        return ""
+    n = frame[~frame.column.isin(EXTRA + (AVG, "Avg"))].n.dropna().astype(int)
+    if n.empty:
+        return ""
+    lo, hi = int(n.min()), int(n.max())
+    return f"Samples per cell: {lo}." if lo == hi else f"Samples per cell: {lo}–{hi} (see the CSV's n column)."
+
+
+def _cell(ours, paper, side_by_side: bool, half_width=None) -> str:
+    text = _fmt(ours) if half_width is None else f"{_fmt(ours)} ± {_fmt(half_width)}"
     if not side_by_side or paper is None or (isinstance(paper, float) and math.isnan(paper)):
-        return _fmt(ours)
-    return f"{_fmt(ours)} ({_fmt(paper)}, {ours - paper:+.2f})"
+        return text
+    return f"{text} ({_fmt(paper)}, {ours - paper:+.2f})"
 
 
 def to_markdown(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = None) -> str:
     rows, columns, cells = table(frame, layout)
+    ci = intervals(frame)
     ref = table(paper, layout)[2] if paper is not None else {}
     lines = []
     if layout.groups:
@@ -73,22 +100,33 @@ def to_markdown(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None 
             block = row[0]
             if block:
                 lines.append(f"| **{block}** |" + " |" * len(columns))
-        lines.append(f"| {row[2]} | " + " | ".join(_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None)
-                                                  for c in columns) + " |")
+        lines.append(f"| {row[2]} | " + " | ".join(_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None,
+                                                        ci.get((*row, c))) for c in columns) + " |")
+    notes = []
+    if ci:
+        notes.append("Cells: mean ± half-width of a seeded 95% bootstrap interval (samples resampled within each "
+                     "task; Avg. resamples every task at once).")
+    if sample_counts(frame):
+        notes.append(sample_counts(frame))
     if paper is not None:
-        lines += ["", "Cells: ours (paper, ours − paper); – where a side has no number."]
-    return "\n".join(lines) + "\n"
+        notes.append("Cells: ours (paper, ours − paper); – where a side has no number.")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 def to_csv(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = None) -> str:
-    """The paper CSVs' own long format (``block,method,column,value``), plus ``paper,delta`` when comparing."""
+    """The paper CSVs' own long format (``block,method,column,value``) at full precision, plus ``n`` (and the
+    interval's ``low,high``) when the frame has them, and ``paper,delta`` when comparing."""
     rows, columns, cells = table(frame, layout)
+    extra = [c for c in ("n", "low", "high") if c in frame]
+    stats = {(b, g, m, c): dict(zip(extra, values)) for (b, g, m, c), *values
+             in zip(zip(frame.block, frame.group, frame.method, frame.column), *(frame[e] for e in extra))}
     ref = table(paper, layout)[2] if paper is not None else {}
     out = []
     for row in rows:
         for c in columns:
             if (*row, c) in cells:
                 record = {"block": row[0], "method": row[2], "column": c, "value": cells[(*row, c)]}
+                record.update(stats.get((*row, c), {}))
                 if paper is not None:
                     p = ref.get((*row, c))
                     record.update(paper=p, delta=None if p is None else cells[(*row, c)] - p)
@@ -98,6 +136,7 @@ def to_csv(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = Non
 
 def to_latex(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = None) -> str:
     rows, columns, cells = table(frame, layout)
+    ci = intervals(frame)
     ref = table(paper, layout)[2] if paper is not None else {}
     lines = [r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule"]
     if layout.groups:
@@ -112,7 +151,8 @@ def to_latex(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = N
             if block:
                 name = block.replace("%", r"\%")
                 lines.append(rf"\midrule \multicolumn{{{len(columns) + 1}}}{{l}}{{\textit{{{name}}}}} \\")
-        values = [_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None) for c in columns]
+        values = [_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None, ci.get((*row, c)))
+                  .replace("±", r"$\pm$") for c in columns]
         lines.append(row[2].replace("%", r"\%") + " & " + " & ".join(values) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines) + "\n"

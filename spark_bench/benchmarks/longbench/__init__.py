@@ -4,8 +4,9 @@ Protocol (THUDM/LongBench ``pred.py`` and ``config/*.json``): the task's prompt 
 if the tokenized prompt is longer than ``max_length`` it is cut in the middle (first and last ``max_length // 2``
 tokens, decoded and joined); the chat template is applied except for trec/triviaqa/samsum/lcc/repobench-p;
 greedy decoding for the task's ``max_new_tokens``; samsum also stops at a newline and generates at least one
-token. ``max_length`` defaults to the model's context minus 500 tokens (LongBench's ``model2maxlen`` convention:
-7500 for 8K models, 31500 for 32K).
+token. ``max_length`` defaults to the model config's ``longbench_max_length`` (the ``model2maxlen`` of the official
+SparK fork: 7950 for Llama-3-8B, 127500 for Llama-3.1) and else to its context minus 500 tokens (LongBench's
+convention: 7500 for 8K models, 31500 for 32K) — see :func:`truncation_limit`.
 
 Data: ``longbench.data_dir`` holds the official ``<task>.jsonl`` files (``<task>_e.jsonl`` for LongBench-E);
 otherwise the records come from the hub parquet mirror ``longbench.hub_path`` (``Xnhyacinth/LongBench``, the one
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spark_bench.benchmarks.base import Sample, encode_prompt, read_jsonl
-from spark_bench.models import LoadedModel
+from spark_bench.models import LoadedModel, ModelConfig
 
 _QA_MULTI = ("Answer the question based on the given passages. Only give me the answer and do not output any other "
              "words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given "
@@ -158,6 +159,14 @@ def build_sample(task: str, record: dict, index: int, lm: LoadedModel, max_lengt
                   metric_args=metric_args, stop_token_ids=stops, min_new_tokens=1 if task == "samsum" else 0)
 
 
+def truncation_limit(model: ModelConfig, max_length: int | None = None) -> int:
+    """Prompt tokens kept before middle truncation: ``longbench.max_length`` if given, else the model's
+    ``longbench_max_length``, else its context ``max_length`` minus 500."""
+    if max_length:
+        return max_length
+    return model.longbench_max_length or model.max_length - 500
+
+
 def load_longbench(tasks, lm: LoadedModel, data_dir: str | None = None, num_samples: int | None = None,
                    e: bool = False, max_length: int | None = None, hub_path: str = "Xnhyacinth/LongBench",
                    rouge_backend: str = "rouge") -> list[Sample]:
@@ -167,7 +176,7 @@ def load_longbench(tasks, lm: LoadedModel, data_dir: str | None = None, num_samp
         raise ValueError(f"unknown LongBench{'-E' if e else ''} task(s) {unknown}; valid: {', '.join(valid)}")
     if data_dir is not None and not Path(data_dir).is_dir():
         raise FileNotFoundError(f"longbench.data_dir={data_dir} is not a directory")
-    limit = max_length or lm.config.max_length - 500
+    limit = truncation_limit(lm.config, max_length)
     samples = []
     for task in tasks:
         records = read_records(task, data_dir, e, hub_path)[:num_samples]

@@ -3,7 +3,8 @@
 Reference behaviour (kvpress ``AdaKVPress(SnapKVPress)``): the layer's pre-window budget ``H·(B − W)`` is spent on
 the highest SnapKV scores across all kv-heads at once, so heads with concentrated attention give tokens to heads
 with diffuse attention; a safeguard first reserves each head's top ``int(α·(B − W))`` tokens (``α = 0.2``). The
-window is always kept. Heads end up with different lengths: they are padded to the longest and the padding is
+window is always kept. ``safeguard=spark_fork`` reserves ``max(int(α·B) − W, 0)`` tokens per head instead, as the
+official SparK fork computes it (none at all at B=128). Heads end up with different lengths: they are padded to the longest and the padding is
 masked at attention time (:class:`~spark_bench.methods.base.TokenSelection`); the padding is real memory and is
 counted in the cache bytes.
 """
@@ -19,9 +20,26 @@ from spark_bench.methods.base import TokenSelection
 from spark_bench.methods.eviction.snapkv import SnapKV, resolve_budget
 
 
+SAFEGUARDS = ("kvpress", "spark_fork")
+
+
+def safeguard_tokens(mode: str, alpha: float, budget: int, window: int) -> int:
+    """Tokens each head keeps before the cross-head competition (see the module docstring)."""
+    if mode == "kvpress":
+        return int((budget - window) * alpha)
+    if mode == "spark_fork":
+        return max(int(alpha * budget) - window, 0)
+    raise ValueError(f"ada_safeguard must be one of {', '.join(SAFEGUARDS)}, got {mode!r}")
+
+
 @dataclass(frozen=True)
 class AdaSnapKV(SnapKV):
     alpha_safeguard: float = 0.2
+    safeguard: str = "kvpress"
+
+    def __post_init__(self):
+        super().__post_init__()
+        safeguard_tokens(self.safeguard, self.alpha_safeguard, 1, 0)  # unknown modes fail here, at construction
 
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         b, h, s, _ = layer.keys.shape
@@ -35,7 +53,7 @@ class AdaSnapKV(SnapKV):
             n_keep = w  # a fraction of a short prompt: keep just the window
         scores = self.token_scores(layer)  # (B, H, S − W)
         per_head, n_scored = n_keep - w, s - w
-        safe = scores.topk(int(per_head * self.alpha_safeguard), dim=-1).indices
+        safe = scores.topk(safeguard_tokens(self.safeguard, self.alpha_safeguard, n_keep, w), dim=-1).indices
         scores = scores.scatter(-1, safe, float("inf"))
         chosen = scores.reshape(b, -1).topk(h * per_head, dim=-1).indices
         selected = torch.zeros(b, h * n_scored, dtype=torch.bool, device=scores.device)

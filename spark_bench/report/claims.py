@@ -1,0 +1,98 @@
+"""The paper's claims, checked on any set of runs that has the rows they need (``spark-bench-report --claims``).
+
+Each claim compares two rows of one block (same eviction method and budget, or the full cache) on the samples
+they share, with a paired bootstrap interval (:mod:`.stats`), and gets a verdict: ``holds`` (the whole interval
+is on the claimed side of the threshold), ``fails`` (wholly on the other side) or ``inconclusive`` (it crosses).
+
+1. SparK(0.5) within 1 point of its base: Δ Avg. ≥ −1 (§5.2: "nearly lossless at λ=0.5").
+2. SparK(0.8) keeps ≥ 95% of its base's Avg. (abstract: "less than 5% degradation" at 80% pruning).
+3. SparK(0.8) above ThinK(0.8): Δ Avg. > 0 (Tables 1–2).
+4. Recovered SparK(0.8) above unrecovered SparK(0.8) (``recovery=none``): Δ Avg. > 0 (Observation 2).
+5. SparK(0.8) holds ≥ 30% fewer KV bytes than its base: mean bytes ratio ≤ 0.70 (measured bytes, metadata
+   included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from spark_bench.report import stats
+from spark_bench.report.compare import VANILLA, Row, aligned, columns_of, rows_of
+from spark_bench.report.layouts import Layout
+
+
+@dataclass(frozen=True)
+class Claim:
+    name: str
+    row: str          # channel row (without the eviction prefix), e.g. "SparK (0.8)"
+    other: str        # "base" or another channel row
+    statistic: str    # delta | ratio | bytes
+    threshold: float
+    above: bool
+    strict: bool = False
+
+
+CLAIMS = (
+    Claim("SparK(0.5) within 1 point of its base", "SparK (0.5)", "base", "delta", -1.0, above=True),
+    Claim("SparK(0.8) keeps >= 95% of its base", "SparK (0.8)", "base", "ratio", 0.95, above=True),
+    Claim("SparK(0.8) above ThinK(0.8)", "SparK (0.8)", "ThinK (0.8)", "delta", 0.0, above=True, strict=True),
+    Claim("recovered SparK(0.8) above unrecovered (recovery=none)", "SparK (0.8)", "SparK (0.8) [none]", "delta",
+          0.0, above=True, strict=True),
+    Claim("SparK(0.8) KV bytes >= 30% below its base", "SparK (0.8)", "base", "bytes", 0.70, above=False),
+)
+
+
+def _row(block: str, group: str, channel: str, present: set[Row]) -> Row | None:
+    """The row of ``channel`` (e.g. ``SparK (0.8)``) in a block: ``+SparK (0.8)`` under an eviction method,
+    ``SparK (0.8)`` on the full cache."""
+    for row in ((block, group, f"+{channel}"), (block, group, channel)):
+        if row in present:
+            return row
+    return None
+
+
+def check(samples: pd.DataFrame, layout: Layout, resamples: int = stats.RESAMPLES,
+          seed: int = stats.SEED) -> pd.DataFrame:
+    """Every claim in every block (eviction method × budget, and the full cache) that has the rows it needs."""
+    present = set(rows_of(samples))
+    columns = columns_of(samples, layout)
+    bases = list(dict.fromkeys((r[0], r[1]) for r in present if not r[2].startswith("+") and r[2] == r[1]))
+    out = []
+    for block, group in bases:
+        base = VANILLA if (block, group) == ("", "Vanilla") else (block, group, group)
+        for claim in CLAIMS:
+            row = _row(block, group, claim.row, present)
+            other = base if claim.other == "base" else _row(block, group, claim.other, present)
+            if row is None or other is None or other not in present:
+                continue
+            value = "kv_bytes" if claim.statistic == "bytes" else "score"
+            xs, ys = aligned(samples, row, other, columns, value)
+            if not xs:
+                continue
+            if claim.statistic == "bytes":
+                ratios = [x / y for x, y in zip(xs, ys)]
+                _, interval = stats.mean_intervals(ratios, resamples, seed)
+            else:
+                paired = stats.paired(xs, ys, resamples, seed)
+                interval = paired.delta if claim.statistic == "delta" else paired.ratio
+            out.append({"claim": claim.name, "block": block or "full cache", "row": " ".join(filter(None, (
+                group if group != "Vanilla" else "", row[2].lstrip("+")))), "vs": other[2].lstrip("+") if other
+                != base else base[2], "n": interval.n, "estimate": interval.estimate, "low": interval.low,
+                "high": interval.high, "threshold": f"{'>' if claim.strict else '>='} {claim.threshold:g}"
+                if claim.above else f"<= {claim.threshold:g}",
+                "verdict": stats.verdict(interval, claim.threshold, claim.above, claim.strict)})
+    return pd.DataFrame(out, columns=["claim", "block", "row", "vs", "n", "estimate", "low", "high", "threshold",
+                                      "verdict"])
+
+
+def to_markdown(claims: pd.DataFrame) -> str:
+    if claims.empty:
+        return "No claim could be checked: the runs lack the rows the claims compare.\n"
+    lines = ["| Claim | Block | Row | vs | n | estimate [95% CI] | threshold | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in claims.itertuples(index=False):
+        lines.append(f"| {r.claim} | {r.block} | {r.row} | {r.vs} | {r.n} | {r.estimate:.3f} [{r.low:.3f}, "
+                     f"{r.high:.3f}] | {r.threshold} | **{r.verdict}** |")
+    return "\n".join(lines) + "\n"
