@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-gpu bench clean table1 table2 ablation-dist ablation-variants kv-joint figure5 paper-shape
+.PHONY: demo test test-gpu bench clean table1 table2 ablation-dist ablation-variants kv-joint figure5 paper-shape protocols
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,7 +25,7 @@ test: $(STAMP)
 
 # On a CUDA machine: the model-level tests (method matrix, batched decoding, engine, compact attention) with the tiny
 # model and its caches on the GPU (tests/conftest.py reads SPARK_BENCH_TEST_DEVICE)
-GPU_TESTS = tests/test_methods.py tests/test_decode_batch.py tests/test_engine.py tests/test_fast_attention.py
+GPU_TESTS = tests/test_methods.py tests/test_decode_batch.py tests/test_engine.py tests/test_fast_attention.py tests/test_scope.py
 test-gpu: $(STAMP)
 	SPARK_BENCH_TEST_DEVICE=cuda $(BIN)/python -m pytest $(GPU_TESTS)
 
@@ -62,6 +62,10 @@ figure5: $(STAMP)
 	$(call experiment,figure5,longbench,,--figures)
 paper-shape: $(STAMP)
 	$(call experiment,paper_shape,ruler,,--figures --ci --claims)
+# the official protocol next to the KVCache-Factory style, and each protocol point alone (SmolLM2, offline RULER-2K)
+protocols: $(STAMP)
+	$(call experiment,protocols,ruler,,--ci)
+	if [ "$(DRY_RUN)" != true ]; then $(BIN)/python scripts/protocol_shifts.py results/protocols --out results/protocols/report/shifts.md; fi
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -42,9 +42,19 @@ def method_options() -> tuple[str, ...]:
     return tuple(f.name for f in fields(MethodConfig) if f.name != "name")
 
 
+def protocol_options(name: str) -> dict:
+    """The option keys ``conf/protocol/<name>.yaml`` sets."""
+    path = CONF_DIR / "protocol" / f"{name}.yaml"
+    if not path.is_file():
+        valid = ", ".join(sorted(p.stem for p in (CONF_DIR / "protocol").glob("*.yaml")))
+        raise ValueError(f"protocol {name!r}: no such protocol config (conf/protocol/); valid: {valid}")
+    return OmegaConf.to_container(OmegaConf.load(path))
+
+
 def method_configs(cfg: DictConfig) -> list[MethodConfig]:
     """``method=`` selects one config built from the top-level options; otherwise every ``sweep.configs``
-    entry, each overriding the top-level options."""
+    entry, each overriding the top-level options. An entry's ``protocol: <name>`` puts that protocol's options
+    under the entry's own (so one sweep can compare protocols over one shared prefill)."""
     from spark_bench.methods import MethodConfig
 
     base = {k: cfg[k] for k in method_options()}
@@ -53,7 +63,9 @@ def method_configs(cfg: DictConfig) -> list[MethodConfig]:
     for i, entry in enumerate(entries):
         where = "method" if cfg.get("method") else f"sweep.configs[{i}]"
         try:
-            out.append(MethodConfig.from_dict({**base, **entry}))
+            entry = dict(entry)
+            protocol = protocol_options(entry.pop("protocol")) if "protocol" in entry else {}
+            out.append(MethodConfig.from_dict({**base, **protocol, **entry}))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"{where}: {err}") from None
     return out
@@ -235,6 +247,22 @@ def run_payload(cfg: DictConfig, lm, samples, configs) -> dict:
     return {**default_payload(lm, samples, configs), **keep, "shard": cfg.get("shard")}
 
 
+PROTOCOL_KEYS = ("compress_scope", "window_size", "channel_window", "kernel_size", "pooling", "think_keep_window",
+                 "pyramid_fallback", "ada_safeguard", "value_score", "value_fill", "window_q_norm",
+                 "saliency_dtype")  # what conf/protocol/*.yaml set
+
+
+def protocol_line(cfg: DictConfig) -> str:
+    """``protocol: official (compress_scope=question, window_size=64, …)``: the protocol chosen and the values its
+    keys have after the command line (which may override some)."""
+    try:
+        name = HydraConfig.get().runtime.choices.get("protocol")
+    except ValueError:  # not under Hydra (tests, scripts)
+        name = None
+    values = ", ".join(f"{k}={cfg.get(k)}" for k in PROTOCOL_KEYS)
+    return f"protocol: {name or '(none)'} ({values})"
+
+
 def run(cfg: DictConfig, out_dir: Path) -> None:
     model_cfg, configs = validate(cfg, sources=not cfg.get("dry_run"))
     if cfg.get("dry_run"):
@@ -243,6 +271,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
         tasks = "data_file" if cfg.benchmark.get("data_file") else ", ".join(benchmark_tasks(cfg))
         print(f"spark-bench (dry run): {model_cfg.name} on {cfg.benchmark.name} [{tasks}] × {len(configs)} method "
               f"configs → {out_dir}\n" + "\n".join(f"  {label}" for label in sweep_labels(configs)), flush=True)
+        print(f"  {protocol_line(cfg)}", flush=True)
         for line in source_lines(cfg, model_cfg):
             print(f"  source: {line}", flush=True)
         return
@@ -253,11 +282,14 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
     lm = load_model(model_cfg, cfg.device)
     try:
         samples = load_samples(cfg, lm)
+        for scope in {c.compress_scope for c in configs}:  # every sample has the boundaries its scopes need
+            for sample in samples:
+                sample.scope_end(scope)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     payload = run_payload(cfg, lm, samples, configs)
     print(f"spark-bench: {lm.config.name} on {cfg.benchmark.name} ({len(samples)} samples) × "
-          f"{len(configs)} method configs → {out_dir}", flush=True)
+          f"{len(configs)} method configs → {out_dir}\n  {protocol_line(cfg)}", flush=True)
     try:
         run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True), payload=payload,
                   progress=bool(cfg.get("progress", True)) and sys.stderr.isatty(),
@@ -272,7 +304,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # repository-level conf/ (editable install)
 
 
-CONFIG_GROUPS = ("model", "benchmark", "method", "sweep", "experiment")  # conf/<group>/<name>.yaml
+CONFIG_GROUPS = ("model", "benchmark", "method", "sweep", "experiment", "protocol")  # conf/<group>/<name>.yaml
 
 
 def check_group_choices(argv: list[str]) -> None:

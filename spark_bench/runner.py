@@ -45,12 +45,15 @@ class Prediction:
 
 
 def _prefill(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]):
+    """One prefill of the whole prompt serves every pipeline, whatever part of the prompt it compresses."""
     window = max([p.config.observation_window for p in pipelines] + [1])
     specs = {p.query_stats for p in pipelines} - {None}
     if len(specs) > 1:
         raise ValueError(f"one sweep cannot mix query-statistics settings {sorted(map(str, specs))} (n_sink)")
     input_ids = torch.tensor([sample.input_ids], device=lm.device)
-    return run_prefill(lm.model, input_ids, window, query_stats=next(iter(specs), None))
+    ends = tuple({sample.scope_end(p.config.compress_scope) for p in pipelines})
+    raw = any(not p.config.window_q_norm for p in pipelines)
+    return run_prefill(lm.model, input_ids, window, query_stats=next(iter(specs), None), ends=ends, raw_queries=raw)
 
 
 def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
@@ -61,16 +64,23 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
     prefills = [_prefill(lm, sample, pipelines) for sample, pipelines in work]
     plan = [(i, pipeline) for i, (_, pipelines) in enumerate(work) for pipeline in pipelines]
     size = decode_batch or len(plan)
-    selections: list[dict] = [{} for _ in work]  # per sample: token selections shared by its configs
+    selections: dict = {}  # per (sample, compressed length): token selections shared by its configs
     out: list[list[Prediction]] = [[] for _ in work]
     for chunk in (plan[i:i + size] for i in range(0, len(plan), size)):
-        built = [pipeline.build_cache(prefills[i], selections=selections[i]) for i, pipeline in chunk]
+        ends = [work[i][0].scope_end(pipeline.config.compress_scope) for i, pipeline in chunk]
+        views = [prefills[i].at(end, pipeline.config.window_q_norm) for (i, pipeline), end in zip(chunk, ends)]
+        built = [pipeline.build_cache(view, selections=selections.setdefault((i, id(view)), {}))
+                 for (i, pipeline), view in zip(chunk, views)]
         rows = []
-        for (i, _), (cache, _) in zip(chunk, built):
+        for (i, _), (cache, _), end in zip(chunk, built, ends):
             sample, prefill = work[i][0], prefills[i]
-            rows.append(DecodeRow(cache, prefill.first_logits, prefill.prompt_length, sample.max_new_tokens,
-                                  lm.stop_token_ids | set(sample.stop_token_ids), sample.min_new_tokens))
-        measured = [(cache.nbytes(), round(1 - kept_key_fraction(cache), 6)) for cache, _ in built]
+            rows.append(DecodeRow(cache, prefill.at(end).first_logits, end, sample.max_new_tokens,
+                                  lm.stop_token_ids | set(sample.stop_token_ids), sample.min_new_tokens,
+                                  suffix=tuple(sample.input_ids[end:])))
+        # bytes held when decoding starts: the compressed part plus the suffix run through it (dense)
+        measured = [(cache.nbytes() + (prefills[i].prompt_length - end) * prefills[i].dense_kv_bytes()
+                     // prefills[i].prompt_length, round(1 - kept_key_fraction(cache), 6))
+                    for (i, _), (cache, _), end in zip(chunk, built, ends)]
         decode_rows(lm.model, rows)
         for (i, pipeline), (_, compress_s), row, (kv_bytes, key_ratio) in zip(chunk, built, rows, measured):
             sample, prefill = work[i][0], prefills[i]
@@ -86,7 +96,9 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
 
 def default_payload(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig]) -> dict:
     """What a results directory is a function of: the method configs, the model and the exact samples."""
+    scoped = any(c.compress_scope != "prompt" for c in configs)  # then the part boundaries matter too
     data = hashlib.sha256(json.dumps([[s.id, list(s.input_ids), list(s.answers), s.max_new_tokens]
+                                      + ([s.context_end, s.question_end] if scoped else [])
                                       for s in samples]).encode()).hexdigest()[:16]
     return {"configs": [c.to_dict() for c in configs], "model": lm.config.name, "samples": data}
 

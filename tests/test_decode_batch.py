@@ -124,7 +124,18 @@ def test_dispatch_decision_by_device_and_store():
     assert cuda.startswith("cuda tensors: the C++ kernel runs on the CPU only")
     assert "different numbers of channels" in fast_logits.kernel_blocker(_spark_store(variant="top_p"),
                                                                          torch.device("cpu"), 3)
-    assert "query rows per kv-head" in fast_logits.kernel_blocker(store, torch.device("cpu"), 9)
+    assert fast_logits.kernel_blocker(store, torch.device("cpu"), 9) is None  # chunked, see below
+
+
+def test_more_query_rows_than_the_kernel_takes_go_in_chunks():
+    """A suffix run through the cache gives G·n query rows per kv-head: served by the kernel 8 rows at a time,
+    equal to the dense reference, with no fallback."""
+    store = _spark_store()
+    queries = torch.randn(1, 2, 3 * 7, 64, generator=torch.Generator().manual_seed(1))
+    before = set(fast_logits.fallback_reasons())
+    got = store.logits(queries)
+    torch.testing.assert_close(got, store.reference_logits(queries), rtol=1e-4, atol=1e-4)
+    assert fast_logits.fallback_reasons() == before
 
 
 def test_non_cpu_queries_never_reach_the_kernel(monkeypatch):

@@ -101,6 +101,22 @@ def test_protocol_truncation_chat_and_stops(tiny_lm):
     assert sample.max_new_tokens == 32 and TASKS["gov_report"].max_new_tokens == 512
 
 
+def test_prompt_parts_survive_truncation(tiny_lm):
+    """The question is the template's part after the context; the suffix is the end of turn + assistant header."""
+    tok = tiny_lm.tokenizer
+    record = {"input": "What is it?", "context": "word " * 3000, "answers": ["x"]}
+    sample = build_sample("hotpotqa", record, 0, tiny_lm, max_length=500)
+    ids = sample.input_ids
+    assert tok.decode(ids[sample.context_end:sample.question_end]) == (
+        "Answer the question based on the given passages. Only give me the answer and do not output any other "
+        "words.\n\nQuestion: What is it?\nAnswer:")
+    assert tok.decode(ids[sample.question_end:]) == "<|im_end|>\n<|im_start|>assistant\n"
+    code = build_sample("repobench-p", {"input": "def f():", "context": "x = 1\n", "answers": ["y"]}, 0, tiny_lm,
+                        max_length=500)  # no chat template: the user text runs to the end, nothing after it
+    assert code.question_end == len(code.input_ids)
+    assert tok.decode(code.input_ids[code.context_end:]) == "def f():Next line of code:\n"
+
+
 def test_unknown_task_lists_valid_ones(tiny_lm):
     with pytest.raises(ValueError, match="unknown LongBench task"):
         load_longbench(["lsht"], tiny_lm, data_dir=str(FIXTURES))

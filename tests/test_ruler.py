@@ -38,6 +38,17 @@ def test_vt_chain_and_one_shot_example(tiny_lm):
         assert f"VAR {cur} = VAR {prev}" in text
     assert text.count("Memorize and track the chain") == 2  # one-shot example + the question
     assert f"assigned the value {value}, they are:" in text
+    shot, _, rest = text.partition("\n\nMemorize and track the chain")  # a blank line between example and input
+    assert "Memorize and track the chain" in shot and rest
+
+
+def test_vt_one_shot_example_is_redrawn_per_sample(tiny_lm):
+    """RULER's randomize_icl: each sample re-draws the example's answer names and its root value."""
+    samples = load_ruler(["vt"], 1024, 2, 1, tiny_lm)
+    shots = [tiny_lm.tokenizer.decode(s.input_ids).partition("\n\nMemorize and track")[0] for s in samples]
+    names = [re.findall(r"they are: ([A-Z ]+)", shot)[0].split() for shot in shots]
+    assert len(names[0]) == 5 and names[0] != names[1]
+    assert all("12345" not in shot for shot in shots)
 
 
 def test_cwe_common_words_repeat_as_configured(tiny_lm):
@@ -90,6 +101,14 @@ def test_essay_file_is_used_and_recorded(tiny_lm, tmp_path):
     (s,) = load_ruler(["niah_single_2"], 1200, 1, 0, tiny_lm, essay_file=str(essays))
     assert s.meta["haystack"] == "PaulGrahamEssays.json"
     assert "Founders matter most" in tiny_lm.tokenizer.decode(s.input_ids)
+
+
+def test_short_essay_corpus_repeats(tiny_lm, tmp_path):
+    """RULER repeats the essays when the length needs more words than the corpus has."""
+    essays = tmp_path / "short.txt"
+    essays.write_text("Startups are hard. Founders matter most. " * 10)  # 60 words
+    (s,) = load_ruler(["niah_single_2"], 1200, 1, 0, tiny_lm, essay_file=str(essays))
+    assert s.meta["haystack_units"] > 60 and len(s.input_ids) > 700
 
 
 def test_export_roundtrip(tiny_lm, tmp_path):

@@ -71,7 +71,10 @@ def test_user_command_resolves_exactly_as_written():
     assert cfg.model.path == "meta-llama/Meta-Llama-3-8B-Instruct"
     assert list(cfg.model.stop_tokens) == ["<|eot_id|>", "<|end_of_text|>"]
     (only,) = method_configs(cfg)
-    assert only == MethodConfig(name="snapkv+spark", ratio=0.8, budget=0.2)
+    official = dict(compress_scope="question", window_size=64, channel_window=32, kernel_size=5, pooling="avg",
+                    think_keep_window=False, pyramid_fallback="kvpress", ada_safeguard="spark_fork", value_score="fork",
+                    value_fill="mean", window_q_norm=False, saliency_dtype="model")  # the default protocol
+    assert only == MethodConfig(name="snapkv+spark", ratio=0.8, budget=0.2, **official)
 
 
 def test_default_is_the_offline_demo_sweep():

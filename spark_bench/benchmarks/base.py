@@ -25,17 +25,80 @@ class Sample:
     metric_args: dict = field(default_factory=dict)
     stop_token_ids: tuple[int, ...] = ()
     min_new_tokens: int = 0
+    # token boundaries of the prompt's parts: [0, context_end) template head + context, [context_end, question_end)
+    # the question, [question_end, len) the suffix (end of turn, assistant header, answer prefix); None = unknown
+    # (only ``compress_scope=prompt`` can run such a sample)
+    context_end: int | None = None
+    question_end: int | None = None
+
+    def scope_end(self, scope: str) -> int:
+        """Tokens compressed under ``compress_scope=scope``: ``prompt`` all of them, ``question`` up to the end of
+        the user turn, ``context`` up to the start of the question; the rest runs through the compressed cache."""
+        if scope == "prompt":
+            return len(self.input_ids)
+        end = {"question": self.question_end, "context": self.context_end}[scope]
+        if end is None:
+            raise ValueError(f"sample {self.id}: compress_scope={scope} needs the prompt's context/question "
+                             "boundaries, which this sample does not carry (re-export it, or use compress_scope=prompt)")
+        return end
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids of a prompt and the boundaries of its parts (see :attr:`Sample.context_end`)."""
+
+    ids: list[int]
+    context_end: int
+    question_end: int
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def question_start(text: str, context: str) -> int:
+    """Character offset of the question in ``text``: the first non-blank character after the last occurrence of
+    ``context`` (RULER and LongBench put the question after the context; the newline between stays with it)."""
+    end = text.rindex(context) + len(context)
+    return end + len(text[end:]) - len(text[end:].lstrip())
+
+
+def _token_boundary(offsets: list[tuple[int, int]], char: int) -> int:
+    """Number of leading tokens that end at or before character ``char`` (a token straddling ``char`` belongs to
+    the later part, so nothing of the later part is in the earlier one)."""
+    n = 0
+    while n < len(offsets) and offsets[n][1] <= char:
+        n += 1
+    return n
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, answer_prefix: str = "",
-                  chat_template: bool = True) -> list[int]:
+                  chat_template: bool = True, question_at: int | None = None) -> Prompt:
     """Token ids of ``user_text`` (wrapped in the chat template as one user turn when asked) followed by the
-    answer prefix, which RULER appends after the assistant header."""
+    answer prefix, which RULER appends after the assistant header, with the part boundaries: the question starts at
+    character ``question_at`` of ``user_text`` (None: no question, the user turn is all context), the user turn ends
+    where its text ends; the rest (end-of-turn token, assistant header, answer prefix) is the suffix.
+
+    The whole string is tokenized once (the ids do not depend on the boundaries); boundaries come from the
+    tokenizer's character offsets. The official kvpress pipeline tokenizes context and question separately, which
+    can differ by a merge at the seam; the parts themselves are the ones its ``compress_questions`` splits."""
+    question_at = len(user_text) if question_at is None else question_at
     if chat_template and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
                                              add_generation_prompt=True)
-        return tokenizer(text + answer_prefix, add_special_tokens=False)["input_ids"]
-    return tokenizer(user_text + answer_prefix)["input_ids"]
+        core = user_text.strip()  # templates may trim the message
+        start = text.find(core)
+        if start < 0:
+            raise ValueError("the chat template rewrites the user message; cannot locate the prompt's parts")
+        lead = len(user_text) - len(user_text.lstrip())
+        question_char = start + min(max(question_at - lead, 0), len(core))
+        turn_end = start + len(core)
+        encoded = tokenizer(text + answer_prefix, add_special_tokens=False, return_offsets_mapping=True)
+    else:
+        question_char, turn_end = question_at, len(user_text)
+        encoded = tokenizer(user_text + answer_prefix, return_offsets_mapping=True)
+    offsets = [tuple(o) for o in encoded["offset_mapping"]]
+    return Prompt(list(encoded["input_ids"]), _token_boundary(offsets, question_char),
+                  _token_boundary(offsets, turn_end))
 
 
 def read_jsonl(path: Path, required: tuple[str, ...], what: str, check=None) -> list[dict]:

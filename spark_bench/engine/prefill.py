@@ -7,6 +7,11 @@ from the same :class:`Prefill`, so the prompt is processed exactly once per samp
 The window queries are recomputed from the attention module's own input inside a forward pre-hook, the same
 quantity the official SparK/kvpress code recomputes (``q_proj`` → optional ``q_norm`` → RoPE). The hook is
 registered only for the duration of the prefill call; nothing in transformers is patched.
+
+Under ``compress_scope`` ``question`` / ``context`` only a prefix of the prompt is compressed (the rest runs through
+the compressed cache). Causal attention makes the prefix's keys and values those of the full prefill, so one prefill
+still serves every scope: the hook also records the window queries (and query statistics) ending at each prefix
+end, and :meth:`Prefill.at` gives the prefix's view.
 """
 
 from __future__ import annotations
@@ -54,8 +59,30 @@ class Prefill:
 
     layers: tuple[LayerPrefill, ...]
     prompt_length: int
-    first_logits: torch.Tensor  # (vocab,) float32 logits of the token after the prompt
+    first_logits: torch.Tensor | None  # (vocab,) float32 logits of the token after the prompt (None for a prefix)
     seconds: float
+    prefixes: dict = field(default_factory=dict, compare=False, repr=False)  # (end, q_norm) → layers of a prefix
+    has_q_norm: bool = False
+
+    def at(self, end: int, q_norm: bool = True) -> "Prefill":
+        """The prefill of the first ``end`` prompt tokens (the same object for the whole prompt): key/value views,
+        the window queries ending at ``end`` (recorded by :func:`run_prefill` for each of its ``ends``); with
+        ``q_norm=False`` the window queries (and statistics) recomputed without Qwen3's query norm, as the official
+        SparK code does (``run_prefill(raw_queries=True)``; the same as ``True`` for models without one). One object
+        per (prefix, q_norm), so configs of the same scope share its memo."""
+        key = (end, q_norm or not self.has_q_norm)
+        if key == (self.prompt_length, True):
+            return self
+        if key not in self.prefixes:
+            raise ValueError(f"the prefill recorded no window queries for a prefix of {end} tokens"
+                             f"{'' if key[1] else ' without q_norm'} (recorded: {sorted(self.prefixes)})")
+        view = self.prefixes[key]
+        if not isinstance(view, Prefill):
+            view = self.prefixes[key] = Prefill(
+                layers=tuple(LayerPrefill(full.keys[:, :, :end], full.values[:, :, :end], *captured)
+                             for full, captured in zip(self.layers, view)),
+                prompt_length=end, first_logits=None, seconds=0.0)
+        return view
 
     @property
     def first_token(self) -> int:
@@ -79,18 +106,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def pre_rope_queries(module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """``(B, H_q, n, D)`` queries before RoPE, computed exactly as the attention module does."""
+def pre_rope_queries(module: nn.Module, hidden: torch.Tensor, q_norm: bool = True) -> torch.Tensor:
+    """``(B, H_q, n, D)`` queries before RoPE, computed exactly as the attention module does (``q_norm=False``: without
+    the per-head query norm of Qwen3, as the official SparK code / kvpress 0.2.9 recompute them)."""
     b, n, _ = hidden.shape
     q = module.q_proj(hidden).view(b, n, -1, module.head_dim)
-    if hasattr(module, "q_norm"):  # Qwen3 normalises queries per head before RoPE
+    if q_norm and hasattr(module, "q_norm"):  # Qwen3 normalises queries per head before RoPE
         q = module.q_norm(q)
     return q.transpose(1, 2)
 
 
-def window_queries(module: nn.Module, hidden_states: torch.Tensor, position_embeddings, window: int) -> torch.Tensor:
+def has_q_norm(model: nn.Module) -> bool:
+    return any(hasattr(m, "q_norm") for m in attention_modules(model))
+
+
+def window_queries(module: nn.Module, hidden_states: torch.Tensor, position_embeddings, window: int,
+                   q_norm: bool = True) -> torch.Tensor:
     """Post-RoPE queries of the last ``window`` positions, computed exactly as the attention module does."""
-    q = pre_rope_queries(module, hidden_states[:, -window:])
+    q = pre_rope_queries(module, hidden_states[:, -window:], q_norm)
     cos, sin = position_embeddings
     cos, sin = cos[:, -window:].unsqueeze(1), sin[:, -window:].unsqueeze(1)
     return q * cos + _rotate_half(q) * sin
@@ -118,9 +151,10 @@ def mean_rotation(model: nn.Module, start: int, n_future: int, head_dim: int, de
     return torch.diag(cos) + torch.diag(sin) @ rotate_half
 
 
-def query_statistics(module: nn.Module, hidden: torch.Tensor, spec: QueryStatsSpec, rotation: torch.Tensor):
+def query_statistics(module: nn.Module, hidden: torch.Tensor, spec: QueryStatsSpec, rotation: torch.Tensor,
+                     q_norm: bool = True):
     """Mean ``(B, H_q, D)`` and covariance ``(B, H_q, D, D)`` of the prompt's queries after the mean rotation."""
-    q = pre_rope_queries(module, hidden[:, spec.n_sink:]).float()
+    q = pre_rope_queries(module, hidden[:, spec.n_sink:], q_norm).float()
     mean = q.mean(dim=2)
     centred = q - mean.unsqueeze(2)
     cov = centred.transpose(-1, -2) @ centred / q.shape[2]
@@ -129,21 +163,36 @@ def query_statistics(module: nn.Module, hidden: torch.Tensor, spec: QueryStatsSp
 
 @contextmanager
 def capture_window_queries(model: nn.Module, window: int, query_stats: QueryStatsSpec | None = None,
-                           prompt_length: int = 0):
+                           prompt_length: int = 0, ends: tuple[int, ...] = (), raw: bool = False):
     """Within the block, record each layer's window queries into the yielded dict ``{layer_idx: tensor}``
-    (and, with ``query_stats``, ``{("stats", layer_idx): (mean, cov)}``)."""
+    (and, with ``query_stats``, ``{("stats", layer_idx): (mean, cov)}``); for each prefix end in ``ends``, the same
+    quantities of the prompt's first ``end`` tokens under ``{(end, True, layer_idx): (window queries, mean, cov)}``;
+    with ``raw``, also without the query norm under ``{(end, False, layer_idx): …}`` (whole prompt included)."""
     captured: dict = {}
     handles = []
-    rotation = None
+    rotations: dict = {}
+
+    def record(module, hidden, position_embeddings, end, q_norm=True):
+        cos, sin = position_embeddings
+        queries = window_queries(module, hidden[:, :end], (cos[:, :end], sin[:, :end]), min(window, end), q_norm)
+        if query_stats is None:
+            return queries, None, None
+        if end not in rotations:
+            rotations[end] = mean_rotation(model, end, query_stats.n_future, module.head_dim, hidden.device)
+        return (queries, *query_statistics(module, hidden[:, :end], query_stats, rotations[end], q_norm))
 
     def hook(module, args, kwargs):
-        nonlocal rotation
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        captured[module.layer_idx] = window_queries(module, hidden, kwargs["position_embeddings"], window)
+        length = prompt_length or hidden.shape[1]
+        queries, *stats = record(module, hidden, kwargs["position_embeddings"], length)
+        captured[module.layer_idx] = queries
         if query_stats is not None:
-            if rotation is None:
-                rotation = mean_rotation(model, prompt_length, query_stats.n_future, module.head_dim, hidden.device)
-            captured["stats", module.layer_idx] = query_statistics(module, hidden, query_stats, rotation)
+            captured["stats", module.layer_idx] = tuple(stats)
+        for end in ends:
+            captured[end, True, module.layer_idx] = record(module, hidden, kwargs["position_embeddings"], end)
+        for end in (*ends, length) if raw else ():
+            captured[end, False, module.layer_idx] = record(module, hidden, kwargs["position_embeddings"], end,
+                                                            q_norm=False)
 
     for mod in attention_modules(model):
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
@@ -156,20 +205,30 @@ def capture_window_queries(model: nn.Module, window: int, query_stats: QueryStat
 
 @torch.inference_mode()
 def run_prefill(model: nn.Module, input_ids: torch.Tensor, window: int,
-                query_stats: QueryStatsSpec | None = None) -> Prefill:
+                query_stats: QueryStatsSpec | None = None, ends: tuple[int, ...] = (),
+                raw_queries: bool = False) -> Prefill:
     """Process the whole prompt once with a full dense cache; capture keys, values and window queries
-    (and the query statistics ExpectedAttention needs, when asked)."""
+    (and the query statistics ExpectedAttention needs, when asked), also for the prefixes ending at ``ends`` and,
+    with ``raw_queries`` on a model with a query norm, without it (:meth:`Prefill.at`)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"run_prefill expects input_ids of shape (1, S), got {tuple(input_ids.shape)}")
     start = time.perf_counter()
-    window = min(window, input_ids.shape[1])
+    length = input_ids.shape[1]
+    ends = tuple(sorted({e for e in ends if e != length}))
+    if any(not 0 < e < length for e in ends):
+        raise ValueError(f"prefix ends {ends} must lie in 1 … {length - 1} (prompt of {length} tokens)")
+    window = min(window, length)
     cache = DynamicCache(config=model.config)
-    with capture_window_queries(model, window, query_stats, input_ids.shape[1]) as queries:
+    normed = has_q_norm(model)
+    raw = raw_queries and normed
+    with capture_window_queries(model, window, query_stats, length, ends, raw) as queries:
         out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     first_logits = out.logits[0, -1].float()
     layers = tuple(
         LayerPrefill(layer.keys, layer.values, queries[i], *queries.get(("stats", i), (None, None)))
         for i, layer in enumerate(cache.layers)
     )
-    return Prefill(layers=layers, prompt_length=input_ids.shape[1], first_logits=first_logits,
-                   seconds=time.perf_counter() - start)
+    keys = [(end, True) for end in ends] + ([(end, False) for end in (*ends, length)] if raw else [])
+    prefixes = {key: tuple(queries[(*key, i)] for i in range(len(layers))) for key in keys}
+    return Prefill(layers=layers, prompt_length=length, first_logits=first_logits,
+                   seconds=time.perf_counter() - start, prefixes=prefixes, has_q_norm=normed)

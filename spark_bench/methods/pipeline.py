@@ -10,9 +10,9 @@ from spark_bench.engine.cache import CompressedCache, StoredLayer
 from spark_bench.engine.prefill import LayerPrefill, Prefill, QueryStatsSpec
 from spark_bench.methods.base import ChannelMethod, EvictionMethod, gather_tokens
 from spark_bench.methods.channel.recovery import RECOVERY_MODES, STATS
-from spark_bench.methods.channel.spark import GROUP_RATIOS, SALIENCY_MODES, VARIANTS, SparK
+from spark_bench.methods.channel.spark import GROUP_RATIOS, SALIENCY_DTYPES, SALIENCY_MODES, VARIANTS, SparK
 from spark_bench.methods.channel.think import ThinK
-from spark_bench.methods.channel.value_norm import ValueNorm
+from spark_bench.methods.channel.value_norm import VALUE_FILLS, VALUE_SCORES, ValueNorm
 from spark_bench.methods.eviction.adasnapkv import SAFEGUARDS, AdaSnapKV
 from spark_bench.methods.eviction.expected_attention import ExpectedAttention
 from spark_bench.methods.eviction.pyramidkv import FALLBACKS, PyramidKV
@@ -37,10 +37,11 @@ EVICTION_METHODS = {
     "expected_attention": lambda c: ExpectedAttention(budget=c.budget, n_sink=c.n_sink),
 }
 CHANNEL_METHODS = {
-    "think": lambda c: ThinK(ratio=c.ratio, window_size=c.channel_window_size, keep_window=c.think_keep_window),
+    "think": lambda c: ThinK(ratio=c.ratio, window_size=c.channel_window_size, keep_window=c.think_keep_window,
+                             score_dtype=c.saliency_dtype),
     "spark": lambda c: SparK(ratio=c.ratio, window_size=c.channel_window_size, saliency=c.saliency, recovery=c.recovery,
                              variant=c.variant, top_p=c.top_p, groups=c.groups, constant=c.constant, seed=c.seed,
-                             recovery_stats=c.recovery_stats),
+                             recovery_stats=c.recovery_stats, saliency_dtype=c.saliency_dtype),
 }
 DISPLAY = {"full": "Full", "snapkv": "SnapKV", "streamingllm": "StreamingLLM", "pyramidkv": "PyramidKV",
            "adasnapkv": "AdaSnapKV", "tova": "TOVA", "expected_attention": "ExpectedAttention",
@@ -49,8 +50,10 @@ METHOD_NAMES = ("full", *EVICTION_METHODS, *CHANNEL_METHODS,
                 *(f"{e}+{c}" for e, c in itertools.product(EVICTION_METHODS, CHANNEL_METHODS)))
 
 # option name → allowed values, for the options with a closed set (checked before anything runs)
-CHOICES = {"saliency": SALIENCY_MODES, "recovery": RECOVERY_MODES, "recovery_stats": STATS, "variant": VARIANTS, "pooling": ("max", "avg"),
-           "pyramid_fallback": FALLBACKS, "ada_safeguard": SAFEGUARDS}
+COMPRESS_SCOPES = ("prompt", "question", "context")
+CHOICES = {"compress_scope": COMPRESS_SCOPES, "saliency": SALIENCY_MODES, "recovery": RECOVERY_MODES, "recovery_stats": STATS, "variant": VARIANTS, "pooling": ("max", "avg"),
+           "pyramid_fallback": FALLBACKS, "ada_safeguard": SAFEGUARDS, "value_score": VALUE_SCORES,
+           "value_fill": VALUE_FILLS, "saliency_dtype": SALIENCY_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -63,12 +66,27 @@ class MethodConfig:
     ``constant`` (for ``recovery=constant``) and ``seed`` (Gaussian/Exponential sampling). Observation windows:
     ``window_size`` for SnapKV / PyramidKV / AdaSnapKV (and for ThinK / SparK unless ``channel_window`` is set;
     the official SparK fork uses 64 for the former, kvpress's default, and 32 for the latter).
+
+    ``compress_scope``: which part of the prompt is compressed. ``prompt``: all of it, the first answer token from
+    the full-cache prefill (SnapKV / KVCache-Factory style); ``question``: the user turn (context + question), then
+    the end of turn, assistant header and answer prefix run through the compressed cache and give the first answer
+    token (the official SparK fork: kvpress with ``compress_questions=1``); ``context``: query-agnostic, the
+    question runs through the compressed cache too (kvpress ``compress_questions=0``).
+
+    Where the official SparK code differs from the paper's text, both are options (``conf/protocol/*.yaml`` set
+    them together): ``value_score`` / ``value_fill`` (Appendix D: ``norm`` / ``zero`` vs the code's ``fork`` /
+    ``mean``), ``variant=group_fork`` (the code's SparK-g), the ``fork_*`` recoveries (the code's distribution
+    draws), ``window_q_norm`` (Qwen3 window queries with or without ``q_norm``) and ``saliency_dtype``
+    (``float32`` or the model dtype, as the code scores).
     """
 
     name: str = "full"
+    compress_scope: str = "prompt"
     budget: float = 0.2
     ratio: float = 0.0
     value_ratio: float = 0.0
+    value_score: str = "norm"
+    value_fill: str = "zero"
     window_size: int = 32
     channel_window: int | None = None
     kernel_size: int = 7
@@ -82,6 +100,8 @@ class MethodConfig:
     constant: float = 0.01
     seed: int = 0
     think_keep_window: bool = True
+    window_q_norm: bool = True
+    saliency_dtype: str = "float32"
     n_sink: int = 4
     beta: int = 20
     pyramid_fallback: str = "original"
@@ -146,6 +166,8 @@ class MethodConfig:
             text += f"-p({self.top_p:g}{vr})"
         elif self.channel_name == "spark" and self.variant == "group":
             text += f"-g({self.groups}{vr})"
+        elif self.channel_name == "spark" and self.variant == "group_fork":
+            text += f"-g(fork{vr})"
         elif self.channel_name:
             text += f"({self.ratio:g}{vr})"
         elif self.value_ratio:
@@ -169,14 +191,38 @@ def _option_text(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+_SNAPKV_OPTIONS = ("window_size", "kernel_size", "pooling", "window_q_norm")
+# method part → the options that change what it computes (the others are ignored by it)
+METHOD_OPTIONS = {
+    "snapkv": _SNAPKV_OPTIONS, "pyramidkv": (*_SNAPKV_OPTIONS, "beta", "pyramid_fallback"),
+    "adasnapkv": (*_SNAPKV_OPTIONS, "alpha_safeguard", "ada_safeguard"), "streamingllm": ("n_sink",),
+    "tova": (), "expected_attention": ("n_sink", "window_q_norm"),
+    "think": ("ratio", "window_size", "channel_window", "think_keep_window", "window_q_norm", "saliency_dtype"),
+    "spark": ("ratio", "window_size", "channel_window", "saliency", "recovery", "recovery_stats", "variant", "top_p",
+              "groups", "constant", "seed", "window_q_norm", "saliency_dtype"),
+}
+
+
+def relevant_options(method: dict) -> set[str]:
+    """The options that matter for the method config ``method`` (a :meth:`MethodConfig.to_dict`): its parts' own,
+    plus the scope, the budget of an eviction method and the value pruning ratio."""
+    parts = str(method.get("name", "full")).split("+")
+    keys = {"compress_scope", "value_ratio"} | ({"budget"} if parts[0] in EVICTION_METHODS else set())
+    if method.get("value_ratio"):
+        keys |= {"value_score", "value_fill"}
+    return keys.union(*(METHOD_OPTIONS.get(p, ()) for p in parts))
+
+
 def tell_apart(labels: list[str], methods: list[dict]) -> list[str]:
     """``labels`` with `` [key=value, ...]`` appended wherever several entries share a label but not their options:
-    the options in which the entries of that label differ (e.g. two ``SnapKV+ThinK(0.5) @128`` rows that differ
-    in ``think_keep_window``, or in the window). Entries with equal options keep equal labels."""
+    the options that matter to the method (:func:`relevant_options`) in which the entries of that label differ
+    (e.g. two ``SnapKV+ThinK(0.5) @128`` rows that differ in ``think_keep_window``, or in the window). Entries that
+    differ only in options their method ignores keep equal labels (they compute the same thing)."""
     out = list(labels)
     for label in dict.fromkeys(labels):
         members = [i for i, other in enumerate(labels) if other == label]
-        keys = [k for k in methods[members[0]] if k != "name"
+        relevant = relevant_options(methods[members[0]])
+        keys = [k for k in methods[members[0]] if k in relevant
                 and len({repr(methods[i].get(k)) for i in members}) > 1]
         if keys:
             for i in members:
@@ -215,7 +261,8 @@ class Pipeline:
     @classmethod
     def from_config(cls, cfg: MethodConfig, label: str | None = None) -> "Pipeline":
         return cls(config=cfg, eviction=build_eviction(cfg), channel=build_channel(cfg),
-                   values=ValueNorm(cfg.value_ratio) if cfg.value_ratio else None, label=label or cfg.label)
+                   values=ValueNorm(cfg.value_ratio, cfg.value_score, cfg.value_fill) if cfg.value_ratio else None,
+                   label=label or cfg.label)
 
     @property
     def query_stats(self) -> QueryStatsSpec | None:

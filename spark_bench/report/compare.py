@@ -54,13 +54,29 @@ def interval_frame(samples: pd.DataFrame, layout: Layout, resamples: int = stats
     return pd.DataFrame(out, columns=["block", "group", "method", "column", "value", "n", "low", "high"])
 
 
+def _tags(label: str) -> set[str]:
+    """The ``key=value`` options a label carries (``SnapKV [compress_scope=question, window_size=64]``)."""
+    if not label.endswith("]") or " [" not in label:
+        return set()
+    return {t.strip() for t in label[label.rindex(" [") + 2:-1].split(",")}
+
+
+def _bare(label: str) -> str:
+    return label[:label.rindex(" [")] if label.endswith("]") and " [" in label and "=" in label else label
+
+
 def base_of(row: Row, present: set[Row]) -> Row | None:
-    """The row a row is compared with: its eviction row for ``+X`` rows, the full cache for the rest."""
+    """The row a row is compared with: its eviction row for ``+X`` rows, the full cache for the rest. When a run's
+    rows differ in options (labels ``[key=value, …]``, e.g. two protocols in one sweep), the base is the candidate
+    whose options all agree with the row's (the one sharing most of them)."""
     block, group, method = row
-    if row == VANILLA:
+    if _bare(method) == "Vanilla":
         return None
-    base = (block, group, group) if method.startswith("+") else VANILLA
-    return base if base in present else None
+    want = (block, group) if method.startswith("+") else ("", "Vanilla")
+    name = group if method.startswith("+") else "Vanilla"
+    tags = _tags(method)
+    candidates = [r for r in present if (r[0], r[1]) == want and _bare(r[2]) == name and _tags(r[2]) <= tags]
+    return max(candidates, key=lambda r: len(_tags(r[2])), default=None)
 
 
 def aligned(samples: pd.DataFrame, row: Row, other: Row, columns: list[str],

@@ -60,6 +60,8 @@ def row_names(method: dict) -> tuple[str, str, str]:
         label += f"-p ({method['top_p']:g})"
     elif channel == "spark" and method.get("variant") == "group":
         label += f"-g ({method['groups']})"
+    elif channel == "spark" and method.get("variant") == "group_fork":
+        label += "-g (fork)"
     else:
         vr = method.get("value_ratio") or 0
         label += f" ({method['ratio']:g}{f'+{vr:g}' if vr else ''})"
@@ -79,7 +81,11 @@ def config_rows(preds: pd.DataFrame) -> list[tuple[pd.DataFrame, str, str, str]]
             for group, (block, base, method), key, tag in zip(groups, names, keys, told)]
 
 
-RECOVERY_NAMES = {"gaussian": "Normal", "exponential": "Exponential", "degenerate": "Degenerate"}
+RECOVERY_NAMES = {"gaussian": "Normal", "exponential": "Exponential", "degenerate": "Degenerate",
+                  "fork_ranked_normal": "Normal (official code, ranked)",
+                  "fork_ranked_exponential": "Exponential (official code, ranked)",
+                  "fork_key_normal": "Normal (official code, key values)",
+                  "fork_key_exponential": "Exponential (official code, key values)"}
 
 
 def _load(directory) -> pd.DataFrame:
@@ -111,6 +117,8 @@ def read_ablation(directories, kind: str) -> pd.DataFrame:
                 label = f"SparK-p (p={100 * m['top_p']:g}%)"
             elif m["variant"] == "group":
                 label = f"SparK-g (g={m['groups']})"
+            elif m["variant"] == "group_fork":
+                label = "SparK-g (official code)"
             else:
                 label = f"SparK (ratio {m['ratio']:g})"
             block = f"{base} avg"

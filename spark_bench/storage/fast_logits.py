@@ -159,24 +159,28 @@ def kernel_blocker(store, device: torch.device, group: int) -> str | None:
         return "tokens keep different numbers of channels (SparK-p / SparK-g)"
     if store.head_dim % 8:
         return f"head_dim {store.head_dim} is not a multiple of 8"
-    if not 1 <= group <= 8:
-        return f"{group} query rows per kv-head (the kernel handles 1..8)"
+    if group < 1:
+        return f"{group} query rows per kv-head"
     return None
+
+
+KERNEL_ROWS = 8  # query rows per kv-head one kernel call takes; more (a suffix run through the cache) go in chunks
 
 
 def compact_logits(store, queries: torch.Tensor, reference) -> torch.Tensor:
     """Kernel when the device, the store and its recovery support it, else ``reference(queries)`` (one warning per
-    reason)."""
+    reason). More than :data:`KERNEL_ROWS` query rows per kv-head are served in chunks of that many."""
     reason = kernel_blocker(store, queries.device, queries.shape[2])
     if reason is None:
-        terms = store.recovery.fast_terms(queries)
-        reason = terms if isinstance(terms, str) else None
+        chunks = queries.split(KERNEL_ROWS, dim=2)
+        terms = [store.recovery.fast_terms(chunk) for chunk in chunks]
+        reason = next((t for t in terms if isinstance(t, str)), None)
         if reason is None:
             kernel = load_kernel()
             if isinstance(kernel, str):
                 reason = kernel
             else:
-                return fast_logits(store, queries, terms)
+                return torch.cat([fast_logits(store, c, t) for c, t in zip(chunks, terms)], dim=2)
     fallback(reason)
     return reference(queries)
 

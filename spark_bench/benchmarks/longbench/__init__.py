@@ -148,15 +148,22 @@ def build_sample(task: str, record: dict, index: int, lm: LoadedModel, max_lengt
     if len(ids) > max_length:  # official middle truncation
         half = max_length // 2
         prompt = tok.decode(ids[:half], skip_special_tokens=True) + tok.decode(ids[-half:], skip_special_tokens=True)
-    input_ids = encode_prompt(tok, prompt, chat_template=lm.config.chat_template and spec.chat)
+    # the question is the template's part after the context (with the record's input), when truncation left it whole
+    question = spec.prompt.split("{context}", 1)[1].format(**record)
+    question_at = len(prompt) - len(question) if prompt.endswith(question) else None
+    encoded = encode_prompt(tok, prompt, chat_template=lm.config.chat_template and spec.chat,
+                            question_at=question_at + len(question) - len(question.lstrip()) if question_at is not None
+                            else None)
     stops = (tok.encode("\n", add_special_tokens=False)[-1],) if task == "samsum" else ()
     metric_args = {"first_line": spec.first_line, "rouge_backend": rouge_backend}
     if spec.metric == "classification":
         metric_args["all_classes"] = list(record.get("all_classes") or [])
-    return Sample(task=task, id=str(record.get("_id", f"{task}-{index}")), input_ids=tuple(input_ids),
+    return Sample(task=task, id=str(record.get("_id", f"{task}-{index}")), input_ids=tuple(encoded.ids),
                   answers=tuple(str(a) for a in record["answers"]), max_new_tokens=spec.max_new_tokens,
                   metric=spec.metric, meta={"length": record.get("length"), "truncated": len(ids) > max_length},
-                  metric_args=metric_args, stop_token_ids=stops, min_new_tokens=1 if task == "samsum" else 0)
+                  metric_args=metric_args, stop_token_ids=stops, min_new_tokens=1 if task == "samsum" else 0,
+                  context_end=encoded.context_end if question_at is not None else None,
+                  question_end=encoded.question_end)
 
 
 def truncation_limit(model: ModelConfig, max_length: int | None = None) -> int:

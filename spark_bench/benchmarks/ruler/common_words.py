@@ -60,7 +60,8 @@ def generate_cwe(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: i
 
     def encode(count: int, rng: random.Random):
         text, answer = _text(count, length, seed, rng)
-        return encode_prompt(tokenizer, text, ANSWER_PREFIX, chat_template), answer
+        question = text.rindex("\nQuestion:") + 1
+        return encode_prompt(tokenizer, text, ANSWER_PREFIX, chat_template, question), answer
 
     units = largest_fitting(lambda n: len(encode(n, random.Random(f"{seed}-cwe-probe"))[0]) <= budget, limit,
                             least=NUM_CW)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from spark_bench.benchmarks.base import Prompt, Sample
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 20, least: int = 1) -> int:
@@ -19,8 +22,8 @@ def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 20, least: in
         lo, hi = (mid, hi) if fits(offset + mid) else (lo, mid)
     return offset + lo
 
-def shrink_to_fit(encode: Callable[[int], tuple[list[int], list[str]]], count: int, step: int, budget: int,
-                  least: int = 1) -> tuple[list[int], list[str], int]:
+def shrink_to_fit(encode: Callable[[int], tuple[Prompt, list[str]]], count: int, step: int, budget: int,
+                  least: int = 1) -> tuple[Prompt, list[str], int]:
     """RULER's per-sample loop: ``encode(count)`` and drop one increment of haystack while the prompt is longer than
     ``budget``, never going below ``least`` units; ``(ids, answers, count used)``."""
     while True:
@@ -30,9 +33,10 @@ def shrink_to_fit(encode: Callable[[int], tuple[list[int], list[str]]], count: i
         count -= step
 
 
-def make_sample(task: str, index: int, ids: list[int], answers, tokens_to_generate: int,
-                max_new_tokens: int | None, metric: str, **meta) -> "Sample":
+def make_sample(task: str, index: int, prompt: Prompt, answers, tokens_to_generate: int,
+                max_new_tokens: int | None, metric: str, **meta) -> Sample:
     from spark_bench.benchmarks.base import Sample
 
-    return Sample(task=task, id=f"{task}-{index}", input_ids=tuple(ids), answers=tuple(answers),
-                  max_new_tokens=max_new_tokens or tokens_to_generate, metric=metric, meta=meta)
+    return Sample(task=task, id=f"{task}-{index}", input_ids=tuple(prompt.ids), answers=tuple(answers),
+                  max_new_tokens=max_new_tokens or tokens_to_generate, metric=metric, meta=meta,
+                  context_end=prompt.context_end, question_end=prompt.question_end)

@@ -56,7 +56,8 @@ def generate_fwe(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: i
 
     def encode(vocab, n):
         text, answer = _text(vocab, n, seed)
-        return encode_prompt(tokenizer, text, ANSWER_PREFIX, chat_template), answer
+        question = text.rindex("\nQuestion:") + 1
+        return encode_prompt(tokenizer, text, ANSWER_PREFIX, chat_template, question), answer
 
     probe = _vocab(vocab_size, random.Random(f"{seed}-fwe-probe"), seed)
     num_words = max_len // WORD_LENGTH

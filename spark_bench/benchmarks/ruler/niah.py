@@ -18,7 +18,7 @@ from functools import lru_cache
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from spark_bench.benchmarks.base import Sample, encode_prompt
+from spark_bench.benchmarks.base import Sample, encode_prompt, question_start
 from spark_bench.benchmarks.ruler.fit import largest_fitting, shrink_to_fit
 from spark_bench.benchmarks.ruler.haystack import NOISE, corpus_name, essay_words, split_sentences
 
@@ -74,8 +74,9 @@ def _random_item(kind: str, rng: random.Random) -> str:
 
 
 def _texts(task: NiahTask, num_haystack: int, rng: random.Random,
-           essay_file: str | None = None) -> tuple[str, str, list[str]]:
-    """(user text, answer prefix, answers) for one sample with ``num_haystack`` haystack units."""
+           essay_file: str | None = None) -> tuple[str, int, str, list[str]]:
+    """(user text, where its question starts, answer prefix, answers) for one sample with ``num_haystack``
+    haystack units."""
     num_keys = max(task.num_keys, task.num_queries)
     keys, values, needles = [], [], []
     for _ in range(num_keys):
@@ -85,7 +86,9 @@ def _texts(task: NiahTask, num_haystack: int, rng: random.Random,
     rng.shuffle(needles)
 
     if task.haystack == "essay":
-        sentences = split_sentences(" ".join(essay_words(essay_file)[:num_haystack]))
+        words = essay_words(essay_file)  # RULER repeats the essays when more words are needed
+        words = words * (-(-num_haystack // len(words))) if num_haystack > len(words) else words
+        sentences = split_sentences(" ".join(words[:num_haystack]))
         cuts = [0] + sorted(int(len(sentences) * d / 100) for d in rng.sample(DEPTHS, len(needles)))
         cuts.append(len(sentences))
         parts = []
@@ -114,8 +117,8 @@ def _texts(task: NiahTask, num_haystack: int, rng: random.Random,
         for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
             template, prefix = template.replace(old, new), prefix.replace(old, new)
         type_v = type_v[:-1]
-    return (template.format(type_needle_v=type_v, context=context, query=query),
-            prefix.format(type_needle_v=type_v, query=query), answers)
+    text = template.format(type_needle_v=type_v, context=context, query=query)
+    return text, question_start(text, context), prefix.format(type_needle_v=type_v, query=query), answers
 
 
 def _increment(task: NiahTask, length: int) -> int:
@@ -133,25 +136,26 @@ def generate_niah(name: str, tokenizer: PreTrainedTokenizerBase, length: int, nu
     budget = length - TOKENS_TO_GENERATE
 
     def encode(num_haystack: int, rng: random.Random):
-        text, prefix, answers = _texts(task, num_haystack, rng, essay_file)
-        return encode_prompt(tokenizer, text, prefix, chat_template), answers
+        text, question, prefix, answers = _texts(task, num_haystack, rng, essay_file)
+        return encode_prompt(tokenizer, text, prefix, chat_template, question), answers
 
     def fits(count: int) -> bool:
         return len(encode(count, random.Random(f"{seed}-{name}-probe"))[0]) <= budget
 
     # RULER's search: the largest raw haystack size whose probe prompt fits; samples that come out longer
     # (their needles differ) shrink by one increment at a time
-    limit = len(essay_words(essay_file)) if task.haystack == "essay" else 1 << 20
+    limit = 1 << 24  # words (essay, repeated as needed) or sentences: the prompt budget stops the search first
     found = largest_fitting(fits, limit)
     if found == 0:
         raise ValueError(f"RULER {name}: length {length} is too short for even the smallest haystack")
 
     samples = []
     for index in range(num_samples):
-        ids, answers, units = shrink_to_fit(lambda n: encode(n, random.Random(f"{seed}-{name}-{index}")), found,
+        prompt, answers, units = shrink_to_fit(lambda n: encode(n, random.Random(f"{seed}-{name}-{index}")), found,
                                             step, budget)
-        samples.append(Sample(task=name, id=f"{name}-{index}", input_ids=tuple(ids), answers=tuple(answers),
+        samples.append(Sample(task=name, id=f"{name}-{index}", input_ids=tuple(prompt.ids), answers=tuple(answers),
                               max_new_tokens=max_new_tokens or TOKENS_TO_GENERATE, metric="string_match_all",
                               meta={"haystack": corpus_name(essay_file) if task.haystack == "essay" else task.haystack,
-                                    "haystack_units": units}))
+                                    "haystack_units": units},
+                              context_end=prompt.context_end, question_end=prompt.question_end))
     return samples

@@ -1,8 +1,8 @@
 """RULER ``qa_1`` (SQuAD v2) and ``qa_2`` (HotpotQA), ``scripts/data/synthetic/qa.py``.
 
 The question's gold documents are mixed with distractor documents (first the other paragraphs of the same
-article for SQuAD, then random ones) as ``Document i:\\n…`` blocks, shuffled by the seed, as many as fit; scored
-with ``string_match_part``. Data: the official files RULER downloads (``ruler.squad_file``: SQuAD v2
+article for SQuAD, then random ones) as ``Document i:\\n…`` blocks, shuffled by the seed, as many as fit (a sample that comes out too long drops RULER's increment of 10
+documents at a time, single documents below 10); scored with ``string_match_part``. Data: the official files RULER downloads (``ruler.squad_file``: SQuAD v2
 ``dev-v2.0.json``; ``ruler.hotpotqa_file``: ``hotpot_dev_distractor_v1.json``), or the same sets from the hub
 (``rajpurkar/squad_v2``, ``hotpotqa/hotpot_qa`` distractor: a local copy in the hub cache, else a download) when
 no file is given. With neither, the run stops before the model loads with one line naming ``ruler.<set>_file``
@@ -25,6 +25,7 @@ TEMPLATE = ("Answer the question based on the given documents. Only give me the 
             "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}")
 ANSWER_PREFIX = " Answer:"
 TOKENS_TO_GENERATE = 32
+DOCS_STEP = 10  # RULER qa.py: documents dropped per retry when a sample is too long
 DOCUMENT = "Document {i}:\n{document}"
 
 
@@ -120,7 +121,8 @@ def generate_qa(task: str, dataset: str, source, tokenizer: PreTrainedTokenizerB
 
     def encode(index: int, num_docs: int):
         text, answers = _text(qas, docs, index, num_docs, random.Random(f"{seed}-{task}-{index}"), seed)
-        return encode_prompt(tokenizer, text, ANSWER_PREFIX, chat_template), answers
+        question = text.rindex("\n\nAnswer the question based on the given documents.") + 2
+        return encode_prompt(tokenizer, text, ANSWER_PREFIX, chat_template, question), answers
 
     num_docs = largest_fitting(lambda n: len(encode(0, n)[0]) <= budget, 4 * len(docs))
     if num_docs == 0:
@@ -130,7 +132,7 @@ def generate_qa(task: str, dataset: str, source, tokenizer: PreTrainedTokenizerB
         used = num_docs
         ids, answers = encode(index, used)
         while len(ids) > budget and used > 1:
-            used -= 1
+            used -= DOCS_STEP if used > DOCS_STEP else 1
             ids, answers = encode(index, used)
         samples.append(make_sample(task, index, ids, answers, TOKENS_TO_GENERATE, max_new_tokens,
                                    "string_match_part", haystack=dataset, num_docs=used))

@@ -2,8 +2,8 @@
 
 A chain ``VAR A = 12345, VAR B = VAR A, …`` (5-letter upper-case names, a random 5-digit value) is hidden at random
 lines of the noise haystack; the model lists every variable holding the value. As in RULER, a one-shot example
-built the same way (3-letter names, value 12345, ≤ 500 tokens) is prepended, its names and value then
-re-randomised; the largest fitting number of noise sentences is searched, and a sample that comes out too long
+built the same way (3-letter names, value 12345, ≤ 500 tokens) is prepended to every sample with a blank line
+between, its names and value re-drawn per sample (RULER's ``randomize_icl``); the largest fitting number of noise sentences is searched, and a sample that comes out too long
 shrinks by RULER's increment (10 noise sentences, 5 below 4K tokens).
 """
 
@@ -57,7 +57,8 @@ def _text(num_noises: int, rng: random.Random, is_icl: bool) -> tuple[str, str, 
 
 
 def _icl_example(tokenizer: PreTrainedTokenizerBase, rng: random.Random) -> str:
-    """RULER's one-shot example: ≤ 500 tokens, answer appended, then names and value re-randomised."""
+    """RULER's one-shot example: ≤ 500 tokens, its answer appended, root value ``12345`` (each sample re-draws the
+    names and the value, :func:`randomize_icl`)."""
     least = NUM_HOPS + 1
 
     def fits(count: int) -> bool:
@@ -65,7 +66,11 @@ def _icl_example(tokenizer: PreTrainedTokenizerBase, rng: random.Random) -> str:
         return len(tokenizer(text + prefix)["input_ids"]) <= 500
 
     text, prefix, answer = _text(max(largest_fitting(fits, 1000 + least - 1, least), least), rng, True)
-    example = text + prefix + " " + " ".join(answer) + "\n"
+    return text + prefix + " " + " ".join(answer) + "\n"
+
+
+def randomize_icl(example: str, rng: random.Random) -> str:
+    """RULER's ``randomize_icl``, once per sample: the answer's variable names re-drawn, the root value replaced."""
     for name in example.strip().split()[-NUM_HOPS - 1:]:
         example = example.replace(name, "".join(rng.choices(string.ascii_uppercase, k=len(name))))
     return example.replace("12345", str(rng.randint(10000, 99998)))
@@ -79,7 +84,9 @@ def generate_vt(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: in
 
     def encode(count: int, rng: random.Random):
         text, prefix, answer = _text(count, rng, False)
-        return encode_prompt(tokenizer, icl + text, prefix, chat_template), answer
+        shot = randomize_icl(icl, rng) + "\n"  # RULER: example + "\n" + input, the example ending in a newline
+        question = len(shot) + text.rindex("\nQuestion:") + 1
+        return encode_prompt(tokenizer, shot + text, prefix, chat_template, question), answer
 
     least = NUM_HOPS + 1  # the chain needs that many noise lines to sit between
     units = largest_fitting(lambda n: len(encode(n, random.Random(f"{seed}-vt-probe"))[0]) <= budget, least=least)

@@ -37,13 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
+from spark_bench.methods.channel.fork_recovery import FORK_MODES
 from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
 from spark_bench.storage.fast_logits import FastTerms
 
 SAMPLED = ("degenerate", "gaussian", "exponential")
 STATS = ("pruned", "all")
 CONSTANT = ("zero", "constant", "none")
-RECOVERY_MODES = SAMPLED + CONSTANT
+RECOVERY_MODES = SAMPLED + CONSTANT + FORK_MODES  # FORK_MODES: the official code's own draws (.fork_recovery)
 
 
 def mean_pruned_saliency(saliency: torch.Tensor, kept_mask: torch.Tensor) -> torch.Tensor:
@@ -180,6 +181,23 @@ class SampledRecovery:
 
     def nbytes(self) -> int:
         return self.sampler.nbytes() + self.mapping.nbytes()
+
+
+@dataclass(frozen=True)
+class TokenFill:
+    """Pruned entries of token ``t`` read as ``values[..., t]`` (one number per token and head: the official fork's
+    value refill with the mean of the token's pruned values)."""
+
+    values: torch.Tensor  # (B, H, S)
+
+    def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.values.to(dtype).unsqueeze(-1).expand(kept_mask.shape).clone()
+
+    def fast_terms(self, queries: torch.Tensor) -> str:
+        return "TokenFill refills values (no compact key path)"
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.values)
 
 
 @dataclass(frozen=True)

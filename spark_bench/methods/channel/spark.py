@@ -14,9 +14,16 @@ Which channels each token keeps (``variant=``, §5.5):
 * ``top_p`` (SparK-p): the fewest channels whose saliency covers a fraction ``top_p`` (0.99) of the token's total.
 * ``group`` (SparK-g): the token's channels sorted by saliency are cut into ``groups`` equal segments; the least
   salient segment gets the largest pruning ratio (g=4: 1.0/0.75/0.5/0.25, g=5: 0.9/0.7/0.5/0.3/0.1 from least to
-  most salient) and each segment drops its own least salient channels.
+  most salient) and each segment drops its own least salient channels (the paper's text).
+* ``group_fork`` (SparK-g as the official code runs it, ``threshold_ratio=0.99`` → ``dynamic_group``): per token,
+  ``n*`` is the 0-based rank at which the saliency sorted high to low first passes ``top_p`` (0.99) of the token's
+  total; the token falls in bucket 0…4 by ``n* ≤ int(0.2·D) / ≤ int(0.4·D) / ≤ int(0.6·D) / ≤ int(0.8·D) / above``
+  and keeps its top ``int(0.1·D) / int(0.3·D) / int(0.5·D) / int(0.7·D) / int(0.9·D)`` channels; the grouped
+  recovery (``exponential_attn_grouped`` with averaging) is the degenerate one with μ over the token's pruned
+  channels, i.e. ``recovery=degenerate``. ``groups`` is not used.
 
-Pruned entries are refilled at attention time by the recovery function (``recovery=``, see :mod:`.recovery`).
+Pruned entries are refilled at attention time by the recovery function (``recovery=``, see :mod:`.recovery`, and
+:mod:`.fork_recovery` for the official code's own distribution draws).
 """
 
 from __future__ import annotations
@@ -28,14 +35,29 @@ import torch
 
 from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods.base import ChannelMethod
+from spark_bench.methods.channel.fork_recovery import FORK_MODES, build_fork_recovery
 from spark_bench.methods.channel.recovery import (
     RECOVERY_MODES, STATS, AlignedKey, ConstantFill, SampledRecovery, SignedKey, build_sampler,
 )
 from spark_bench.storage.stores import UnstructuredStore
 
 SALIENCY_MODES = ("official", "paper")
-VARIANTS = ("fixed", "top_p", "group")
+SALIENCY_DTYPES = ("float32", "model")  # saliency arithmetic: float32, or the keys' dtype as the official code
+VARIANTS = ("fixed", "top_p", "group", "group_fork")
 GROUP_RATIOS = {4: (0.25, 0.5, 0.75, 1.0), 5: (0.1, 0.3, 0.5, 0.7, 0.9)}  # paper §5.5, most → least salient
+FORK_BUCKETS = (0.2, 0.4, 0.6, 0.8)       # dynamic_group: n* bounds, fractions of D (inclusive)
+FORK_KEEP = (0.1, 0.3, 0.5, 0.7, 0.9)     # … and the fraction of D each bucket keeps
+
+
+def fork_group_keep(sorted_saliency: torch.Tensor, threshold: float = 0.99) -> torch.Tensor:
+    """Channels each token keeps under ``variant=group_fork`` (``(…, 1)`` long), from its saliency sorted high to
+    low: the bucket of ``n*`` (first rank whose cumulative share passes ``threshold``) picks the keep count."""
+    d = sorted_saliency.shape[-1]
+    cumulative = sorted_saliency.cumsum(-1)
+    n_star = (cumulative > threshold * cumulative[..., -1:]).float().argmax(-1, keepdim=True)
+    bucket = sum((n_star > int(f * d)).long() for f in FORK_BUCKETS)
+    keep = torch.tensor([int(f * d) for f in FORK_KEEP], device=sorted_saliency.device)
+    return keep[bucket]
 
 
 def group_keep_by_rank(head_dim: int, groups: int) -> torch.Tensor:
@@ -61,6 +83,7 @@ class SparK(ChannelMethod):
     constant: float = 0.01
     seed: int = 0
     recovery_stats: str = "pruned"
+    saliency_dtype: str = "float32"
 
     def __post_init__(self):
         if self.saliency not in SALIENCY_MODES:
@@ -75,6 +98,11 @@ class SparK(ChannelMethod):
             raise ValueError(f"groups must be one of {sorted(GROUP_RATIOS)}, got {self.groups}")
         if self.recovery_stats not in STATS:
             raise ValueError(f"recovery_stats must be one of {STATS}, got {self.recovery_stats!r}")
+        if self.saliency_dtype not in SALIENCY_DTYPES:
+            raise ValueError(f"saliency_dtype must be one of {SALIENCY_DTYPES}, got {self.saliency_dtype!r}")
+        if self.recovery in FORK_MODES and self.saliency != "official":
+            raise ValueError(f"recovery={self.recovery} is the official code's and inverts its saliency k²·‖q‖; "
+                             "it needs saliency=official")
 
     def n_keep(self, head_dim: int) -> int:
         if self.saliency == "official":
@@ -82,15 +110,20 @@ class SparK(ChannelMethod):
         return math.floor((1 - self.ratio) * head_dim + 1e-9)
 
     def query_stat(self, layer: LayerPrefill) -> torch.Tensor:
-        """Per-head channel statistic of the window queries, ``(B, H_kv, D)`` float32."""
-        q = layer.grouped_window_queries(self.window_size).float()
-        return q.norm(dim=-2) if self.saliency == "official" else q.mean(dim=-2)
+        """Per-head channel statistic of the window queries, ``(B, H_kv, D)`` float32 (computed in the model dtype
+        under ``saliency_dtype=model``, as the official code does, then widened)."""
+        q = layer.grouped_window_queries(self.window_size)
+        q = q if self.saliency_dtype == "model" else q.float()
+        return (q.norm(dim=-2) if self.saliency == "official" else q.mean(dim=-2)).float()
 
     def saliency_scores(self, keys: torch.Tensor, query_stat: torch.Tensor) -> torch.Tensor:
-        k = keys.float()
+        """``(B, H, S, D)`` float32 saliency; ``saliency_dtype=model`` rounds the arithmetic to the keys' dtype (the
+        official code scores bf16 keys in bf16, which reorders near-equal channels)."""
+        k = keys if self.saliency_dtype == "model" else keys.float()
+        stat = query_stat.to(k.dtype).unsqueeze(-2)
         if self.saliency == "official":
-            return k.pow(2) * query_stat.unsqueeze(-2)
-        return k.abs() * query_stat.abs().unsqueeze(-2)
+            return (k.pow(2) * stat).float()
+        return (k.abs() * stat.abs()).float()
 
     def kept_mask(self, saliency: torch.Tensor) -> torch.Tensor:
         d = saliency.shape[-1]
@@ -103,6 +136,9 @@ class SparK(ChannelMethod):
             share = sorted_sal.cumsum(-1) / sorted_sal.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
             n_keep = ((share < self.top_p).sum(-1, keepdim=True) + 1).clamp(max=d)  # fewest covering top_p
             keep_sorted = torch.arange(d, device=saliency.device) < n_keep
+        elif self.variant == "group_fork":
+            n_keep = fork_group_keep(saliency.gather(-1, order), self.top_p)
+            keep_sorted = torch.arange(d, device=saliency.device) < n_keep
         else:
             keep_sorted = group_keep_by_rank(d, self.groups).to(saliency.device).expand_as(saliency)
         return torch.zeros_like(saliency, dtype=torch.bool).scatter_(-1, order, keep_sorted)
@@ -112,6 +148,8 @@ class SparK(ChannelMethod):
             return ConstantFill(0.0)
         if self.recovery == "constant":
             return ConstantFill(self.constant)
+        if self.recovery in FORK_MODES:
+            return build_fork_recovery(self.recovery, keys, mask, saliency, stat, seed)
         sampler = build_sampler(self.recovery, saliency, mask, keys.dtype, seed, self.recovery_stats)
         mapping = SignedKey.build(keys, mask, stat) if self.saliency == "official" else AlignedKey(stat)
         return SampledRecovery(sampler, mapping)

@@ -23,14 +23,17 @@ class ThinK(ChannelMethod):
     ratio: float
     window_size: int = 32
     keep_window: bool = True
+    score_dtype: str = "float32"  # or "model": the arithmetic in the keys' dtype, as the official code
 
     def channel_scores(self, old_keys: torch.Tensor, layer: LayerPrefill) -> torch.Tensor:
-        """``(B, H_kv, D)`` channel importance."""
-        q = layer.window_queries[:, :, -self.window_size:].float()
+        """``(B, H_kv, D)`` channel importance (float32)."""
+        q = layer.window_queries[:, :, -self.window_size:]
+        k = old_keys if self.score_dtype == "model" else old_keys.float()
+        q = q.to(k.dtype)
         b, hq, _, d = q.shape
         h_kv = layer.num_kv_heads
         q_energy = q.pow(2).mean(dim=2).view(b, h_kv, hq // h_kv, d).mean(dim=2)
-        return q_energy * old_keys.float().pow(2).mean(dim=2)
+        return (q_energy * k.pow(2).mean(dim=2)).float()
 
     def compress_keys(self, keys: torch.Tensor, layer: LayerPrefill, layer_idx: int = 0) -> StructuredKeyStore:
         s, d = keys.shape[-2], keys.shape[-1]
