@@ -43,12 +43,13 @@ def method_options() -> tuple[str, ...]:
 
 
 def protocol_options(name: str) -> dict:
-    """The option keys ``conf/protocol/<name>.yaml`` sets."""
+    """The method options ``conf/protocol/<name>.yaml`` sets (its ``longbench.protocol``, the prompt path, belongs to
+    the run's samples, which every entry of a sweep shares, so a sweep entry cannot change it)."""
     path = CONF_DIR / "protocol" / f"{name}.yaml"
     if not path.is_file():
         valid = ", ".join(sorted(p.stem for p in (CONF_DIR / "protocol").glob("*.yaml")))
         raise ValueError(f"protocol {name!r}: no such protocol config (conf/protocol/); valid: {valid}")
-    return OmegaConf.to_container(OmegaConf.load(path))
+    return {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items() if k in PROTOCOL_KEYS}
 
 
 def method_configs(cfg: DictConfig) -> list[MethodConfig]:
@@ -112,6 +113,7 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
     if sources:  # first, and before torch is imported: a missing model is reported within seconds
         model = resolve_sources(model)
     from spark_bench.benchmarks.export import read_samples
+    from spark_bench.benchmarks.longbench import PROTOCOLS as LONGBENCH_PROTOCOLS
     from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS, TASKS as LONGBENCH_TASKS, hub_source, \
         read_records
     from spark_bench.benchmarks.ruler import RULER_TASKS, check_qa_sources
@@ -156,6 +158,9 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
         unknown = [t for t in benchmark_tasks(cfg) if t not in valid]
         if unknown:
             raise ConfigError(f"benchmark.tasks: unknown LongBench task(s) {unknown}; valid: {', '.join(valid)}")
+        if cfg.longbench.get("protocol", "pred") not in LONGBENCH_PROTOCOLS:
+            raise ConfigError(f"longbench.protocol must be one of {', '.join(LONGBENCH_PROTOCOLS)}; "
+                              f"got {cfg.longbench.protocol!r}")
         if cfg.longbench.data_dir is not None:
             if not Path(cfg.longbench.data_dir).is_dir():
                 raise ConfigError(f"longbench.data_dir: {cfg.longbench.data_dir} is not a directory")
@@ -214,7 +219,8 @@ def _longbench(cfg: DictConfig, lm):
 
     src = cfg.longbench
     return load_longbench(benchmark_tasks(cfg), lm, data_dir=src.data_dir, num_samples=cfg.benchmark.num_samples,
-                          e=src.e, max_length=src.max_length, hub_path=src.hub_path, rouge_backend=src.rouge_backend)
+                          e=src.e, max_length=src.max_length, hub_path=src.hub_path, rouge_backend=src.rouge_backend,
+                          protocol=src.get("protocol", "pred"))
 
 
 BENCHMARKS = {"ruler": _ruler, "longbench": _longbench}
@@ -259,7 +265,8 @@ def protocol_line(cfg: DictConfig) -> str:
         name = HydraConfig.get().runtime.choices.get("protocol")
     except ValueError:  # not under Hydra (tests, scripts)
         name = None
-    values = ", ".join(f"{k}={cfg.get(k)}" for k in PROTOCOL_KEYS)
+    values = ", ".join([f"{k}={cfg.get(k)}" for k in PROTOCOL_KEYS]
+                       + [f"longbench.protocol={cfg.longbench.get('protocol')}"] * (cfg.benchmark.name == "longbench"))
     return f"protocol: {name or '(none)'} ({values})"
 
 

@@ -176,3 +176,34 @@ def test_truncation_limit_per_model_config():
                       "qwen3-32b": 31500, "smollm2-135m": 7692, "tiny-llama": 3596}
     assert truncation_limit(model_config("llama3-8b"), 3000) == 3000
     assert model_config("llama3-8b").max_length == 8192  # the context, against which RULER lengths are checked
+
+
+def test_kvpress_protocol_is_the_official_codes_prompt_path(tiny_lm):
+    """Point 9: ``longbench.protocol=kvpress`` (the SparK fork): chat template first, then the user turn's token ids
+    cut in the middle at max_length (the end of turn and assistant header kept); few-shot / code tasks without chat
+    template, BOS or minimum length and with a newline suffix; LongBench's max_new_tokens + 20."""
+    tok = tiny_lm.tokenizer
+    record = {"input": "What is it?", "context": "word " * 3000, "answers": ["x"]}
+    fork = build_sample("hotpotqa", record, 0, tiny_lm, max_length=500, protocol="kvpress")
+    header = tok("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert fork.meta["truncated"] and fork.question_end == 500 and len(fork.input_ids) == 500 + len(header)
+    assert list(fork.input_ids[500:]) == header
+    templated = tok.apply_chat_template([{"role": "user", "content": TASKS["hotpotqa"].prompt.format(**record)}],
+                                        tokenize=False, add_generation_prompt=True)
+    whole = tok(templated, add_special_tokens=False)["input_ids"]
+    assert list(fork.input_ids[:250]) == whole[:250]  # the first half of the templated ids, as they are
+    assert list(fork.input_ids[250:500]) == whole[len(whole) - len(header) - 250:len(whole) - len(header)]
+    assert tok.decode(fork.input_ids[fork.context_end:fork.question_end]).startswith("Answer the question based")
+    assert fork.max_new_tokens == 32 + 20
+    pred = build_sample("hotpotqa", record, 0, tiny_lm, max_length=500)
+    assert pred.input_ids != fork.input_ids and pred.max_new_tokens == 32
+
+    samsum = build_sample("samsum", {"input": "Dialogue: a\nSummary: ", "context": "x", "answers": ["y"]}, 0, tiny_lm,
+                          max_length=500, protocol="kvpress")
+    text = tok.decode(samsum.input_ids)
+    assert "<|im_start|>" not in text and text.endswith("Summary: \n")  # the fork's question_suffix
+    assert samsum.input_ids[0] != tok.bos_token_id or tok.bos_token_id is None
+    assert tok.decode(samsum.input_ids[samsum.question_end:]).strip(" ") == "\n"  # " \n" is one token here
+    assert samsum.min_new_tokens == 0 and samsum.stop_token_ids == (tok.encode("\n", add_special_tokens=False)[-1],)
+    with pytest.raises(ValueError, match="longbench.protocol must be one of pred, kvpress; got 'x'"):
+        build_sample("samsum", record, 0, tiny_lm, max_length=500, protocol="x")

@@ -30,6 +30,7 @@ def test_official_protocol_is_the_forks_setup():
     assert (only.pyramid_fallback, only.ada_safeguard, only.value_score, only.value_fill) == (
         "kvpress", "spark_fork", "fork", "mean")
     assert _compose([]).compress_scope == "question"  # official is the default
+    assert cfg.longbench.protocol == "kvpress" and cfg.longbench.data_dir is None  # merged, not replaced
     assert _compose(["protocol=official", "window_size=16"]).window_size == 16  # the command line wins
 
 
@@ -45,7 +46,7 @@ def test_paper_and_kvcache_factory_protocols(name):
 
 def test_every_protocol_sets_the_same_keys_and_every_paper_target_uses_official():
     for path in (CONF_DIR / "protocol").glob("*.yaml"):
-        assert sorted(OmegaConf.load(path)) == sorted(PROTOCOL_KEYS), path.name
+        assert sorted(OmegaConf.load(path)) == sorted((*PROTOCOL_KEYS, "longbench")), path.name
     for path in (CONF_DIR / "experiment").glob("*.yaml"):
         assert "override /protocol: official" in path.read_text(), path.name
 

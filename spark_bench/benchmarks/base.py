@@ -72,7 +72,7 @@ def _token_boundary(offsets: list[tuple[int, int]], char: int) -> int:
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, answer_prefix: str = "",
-                  chat_template: bool = True, question_at: int | None = None) -> Prompt:
+                  chat_template: bool = True, question_at: int | None = None, bos: bool = True) -> Prompt:
     """Token ids of ``user_text`` (wrapped in the chat template as one user turn when asked) followed by the
     answer prefix, which RULER appends after the assistant header, with the part boundaries: the question starts at
     character ``question_at`` of ``user_text`` (None: no question, the user turn is all context), the user turn ends
@@ -80,7 +80,8 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, answer_pre
 
     The whole string is tokenized once (the ids do not depend on the boundaries); boundaries come from the
     tokenizer's character offsets. The official kvpress pipeline tokenizes context and question separately, which
-    can differ by a merge at the seam; the parts themselves are the ones its ``compress_questions`` splits."""
+    can differ by a merge at the seam; the parts themselves are the ones its ``compress_questions`` splits.
+    ``bos=False``: no special tokens without a chat template (the official SparK code blanks the BOS token there)."""
     question_at = len(user_text) if question_at is None else question_at
     if chat_template and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
@@ -95,7 +96,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, answer_pre
         encoded = tokenizer(text + answer_prefix, add_special_tokens=False, return_offsets_mapping=True)
     else:
         question_char, turn_end = question_at, len(user_text)
-        encoded = tokenizer(user_text + answer_prefix, return_offsets_mapping=True)
+        encoded = tokenizer(user_text + answer_prefix, return_offsets_mapping=True, add_special_tokens=bos)
     offsets = [tuple(o) for o in encoded["offset_mapping"]]
     return Prompt(list(encoded["input_ids"]), _token_boundary(offsets, question_char),
                   _token_boundary(offsets, turn_end))

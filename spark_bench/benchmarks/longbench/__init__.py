@@ -8,6 +8,15 @@ token. ``max_length`` defaults to the model config's ``longbench_max_length`` (t
 SparK fork: 7950 for Llama-3-8B, 127500 for Llama-3.1) and else to its context minus 500 tokens (LongBench's
 convention: 7500 for 8K models, 31500 for 32K) — see :func:`truncation_limit`.
 
+``longbench.protocol=kvpress`` is the official SparK code's path instead (its ``eval.py`` + kvpress pipeline, the
+runs behind the paper): the same prompt text is wrapped in the chat template first and then, if longer than
+``max_length`` tokens, the user turn's token ids are cut in the middle (first and last half, no decode round trip;
+the end of turn and assistant header are kept); trec/triviaqa/samsum/lcc/repobench-p get no chat template, no BOS
+token and a ``"\n"`` suffix (``question_suffix``); generation runs LongBench's ``max_new_tokens`` + 20 (the fork's
+records), samsum stops at a newline but has no minimum length. The fork reads its records from the hub mirror, whose
+context/question split only matters for ``compress_scope=context``; here the question is the template's part after
+the context in both protocols.
+
 Data: ``longbench.data_dir`` holds the official ``<task>.jsonl`` files (``<task>_e.jsonl`` for LongBench-E);
 otherwise the records come from the hub parquet mirror ``longbench.hub_path`` (``Xnhyacinth/LongBench``, the one
 the official SparK code reads; the original ``THUDM/LongBench`` needs a loading script recent ``datasets`` no
@@ -19,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from spark_bench.benchmarks.base import Sample, encode_prompt, read_jsonl
+from spark_bench.benchmarks.base import Prompt, Sample, encode_prompt, read_jsonl
 from spark_bench.models import LoadedModel, ModelConfig
 
 _QA_MULTI = ("Answer the question based on the given passages. Only give me the answer and do not output any other "
@@ -107,6 +116,8 @@ TASKS = {
 LONGBENCH_E_TASKS = ("qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec",
                      "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p")
 REQUIRED_FIELDS = ("input", "context", "answers")
+PROTOCOLS = ("pred", "kvpress")
+KVPRESS_EXTRA_TOKENS = 20  # the fork's records: LongBench's max_new_tokens + 20
 
 
 def _answers_are_a_list(record: dict) -> str | None:
@@ -140,29 +151,63 @@ def read_records(task: str, data_dir: str | None, e: bool = False, hub_path: str
     return read_jsonl(path, REQUIRED_FIELDS, "LongBench record", _answers_are_a_list)
 
 
+def _question_at(prompt: str, question: str) -> int | None:
+    """Where the question (the template's part after the context) starts in ``prompt``, if it is there whole."""
+    if not prompt.endswith(question):
+        return None
+    return len(prompt) - len(question) + len(question) - len(question.lstrip())
+
+
+def _kvpress_prompt(prompt: str, question: str, spec: LongBenchTask, lm: LoadedModel,
+                    max_length: int) -> tuple[Prompt, bool, bool]:
+    """The fork's path: template first, then a middle cut of the user turn's token ids (see the module docstring).
+    Returns (prompt, truncated, whether the question survived the cut whole)."""
+    tok = lm.tokenizer
+    chat = bool(lm.config.chat_template and spec.chat and tok.chat_template)
+    encoded = encode_prompt(tok, prompt, "" if chat else "\n", chat_template=chat,
+                            question_at=_question_at(prompt, question), bos=False)
+    ids, turn = encoded.ids, encoded.question_end
+    if turn <= max_length:
+        return encoded, False, True
+    half = max_length // 2
+    context_end = encoded.context_end - (turn - 2 * half)  # the middle of the user turn is dropped
+    whole = context_end >= half
+    return Prompt(ids[:half] + ids[turn - half:], context_end if whole else 2 * half, 2 * half), True, whole
+
+
 def build_sample(task: str, record: dict, index: int, lm: LoadedModel, max_length: int,
-                 rouge_backend: str = "rouge") -> Sample:
+                 rouge_backend: str = "rouge", protocol: str = "pred") -> Sample:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"longbench.protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
     spec, tok = TASKS[task], lm.tokenizer
     prompt = spec.prompt.format(**record)
+    # the question is the template's part after the context (with the record's input), when truncation left it whole
+    question = spec.prompt.split("{context}", 1)[1].format(**record)
+    stops = (tok.encode("\n", add_special_tokens=False)[-1],) if task == "samsum" else ()
+    if protocol == "kvpress":
+        encoded, truncated, whole = _kvpress_prompt(prompt, question, spec, lm, max_length)
+        return _sample(task, record, index, encoded, whole, spec, rouge_backend, truncated, stops,
+                       spec.max_new_tokens + KVPRESS_EXTRA_TOKENS, 0)
     ids = tok(prompt)["input_ids"]
     if len(ids) > max_length:  # official middle truncation
         half = max_length // 2
         prompt = tok.decode(ids[:half], skip_special_tokens=True) + tok.decode(ids[-half:], skip_special_tokens=True)
-    # the question is the template's part after the context (with the record's input), when truncation left it whole
-    question = spec.prompt.split("{context}", 1)[1].format(**record)
-    question_at = len(prompt) - len(question) if prompt.endswith(question) else None
-    encoded = encode_prompt(tok, prompt, chat_template=lm.config.chat_template and spec.chat,
-                            question_at=question_at + len(question) - len(question.lstrip()) if question_at is not None
-                            else None)
-    stops = (tok.encode("\n", add_special_tokens=False)[-1],) if task == "samsum" else ()
+    question_at = _question_at(prompt, question)
+    encoded = encode_prompt(tok, prompt, chat_template=lm.config.chat_template and spec.chat, question_at=question_at)
+    return _sample(task, record, index, encoded, question_at is not None, spec, rouge_backend, len(ids) > max_length,
+                   stops, spec.max_new_tokens, 1 if task == "samsum" else 0)
+
+
+def _sample(task, record, index, encoded: Prompt, whole: bool, spec: LongBenchTask, rouge_backend: str,
+            truncated: bool, stops: tuple, max_new_tokens: int, min_new_tokens: int) -> Sample:
     metric_args = {"first_line": spec.first_line, "rouge_backend": rouge_backend}
     if spec.metric == "classification":
         metric_args["all_classes"] = list(record.get("all_classes") or [])
     return Sample(task=task, id=str(record.get("_id", f"{task}-{index}")), input_ids=tuple(encoded.ids),
-                  answers=tuple(str(a) for a in record["answers"]), max_new_tokens=spec.max_new_tokens,
-                  metric=spec.metric, meta={"length": record.get("length"), "truncated": len(ids) > max_length},
-                  metric_args=metric_args, stop_token_ids=stops, min_new_tokens=1 if task == "samsum" else 0,
-                  context_end=encoded.context_end if question_at is not None else None,
+                  answers=tuple(str(a) for a in record["answers"]), max_new_tokens=max_new_tokens,
+                  metric=spec.metric, meta={"length": record.get("length"), "truncated": truncated},
+                  metric_args=metric_args, stop_token_ids=stops, min_new_tokens=min_new_tokens,
+                  context_end=encoded.context_end if whole else None,
                   question_end=encoded.question_end)
 
 
@@ -176,7 +221,7 @@ def truncation_limit(model: ModelConfig, max_length: int | None = None) -> int:
 
 def load_longbench(tasks, lm: LoadedModel, data_dir: str | None = None, num_samples: int | None = None,
                    e: bool = False, max_length: int | None = None, hub_path: str = "Xnhyacinth/LongBench",
-                   rouge_backend: str = "rouge") -> list[Sample]:
+                   rouge_backend: str = "rouge", protocol: str = "pred") -> list[Sample]:
     valid = LONGBENCH_E_TASKS if e else tuple(TASKS)
     unknown = [t for t in tasks if t not in valid]
     if unknown:
@@ -187,5 +232,5 @@ def load_longbench(tasks, lm: LoadedModel, data_dir: str | None = None, num_samp
     samples = []
     for task in tasks:
         records = read_records(task, data_dir, e, hub_path)[:num_samples]
-        samples += [build_sample(task, r, i, lm, limit, rouge_backend) for i, r in enumerate(records)]
+        samples += [build_sample(task, r, i, lm, limit, rouge_backend, protocol) for i, r in enumerate(records)]
     return samples
