@@ -151,7 +151,17 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
             raise ConfigError(f"benchmark.length={b.length} exceeds model {model.name} max_length={model.max_length}")
         for key in ("essay_file", "squad_file", "hotpotqa_file"):
             _check_file(f"ruler.{key}", cfg.ruler.get(key))
-        if sources:
+        source = cfg.ruler.get("source", "generate")
+        if source not in ("generate", "kvpress"):
+            raise ConfigError(f"ruler.source must be one of generate, kvpress; got {source!r}")
+        if source == "kvpress":
+            from spark_bench.benchmarks.ruler.kvpress_records import LENGTHS, kvpress_source
+
+            if b.length not in LENGTHS:
+                raise ConfigError(f"benchmark.length={b.length}: ruler.source=kvpress has lengths {LENGTHS}")
+            if sources:
+                kvpress_source(cfg.ruler.kvpress_path)
+        elif sources:
             check_qa_sources(b.tasks, cfg.ruler.squad_file, cfg.ruler.hotpotqa_file)
     else:
         valid = LONGBENCH_E_TASKS if cfg.longbench.e else tuple(LONGBENCH_TASKS)
@@ -192,6 +202,8 @@ def source_lines(cfg: DictConfig, model: ModelConfig) -> list[str]:
         lines.append(f"model {model.name}: {hub.describe(model.path, 'model')}")
     if not cfg.benchmark.get("data_file") and cfg.benchmark.name == "longbench" and cfg.longbench.data_dir is None:
         lines.append(f"LongBench data: {hub.describe(cfg.longbench.hub_path, 'dataset')}")
+    if not cfg.benchmark.get("data_file") and cfg.benchmark.name == "ruler" and cfg.ruler.get("source") == "kvpress":
+        lines.append(f"RULER records: {hub.describe(cfg.ruler.kvpress_path, 'dataset')}")
     return lines
 
 
@@ -210,6 +222,10 @@ def _ruler(cfg: DictConfig, lm):
     from spark_bench.benchmarks.ruler import load_ruler
 
     b, src = cfg.benchmark, cfg.ruler
+    if src.get("source", "generate") == "kvpress":
+        from spark_bench.benchmarks.ruler.kvpress_records import load_kvpress_ruler
+
+        return load_kvpress_ruler(list(b.tasks), b.length, b.num_samples, lm, src.kvpress_path, b.get("max_new_tokens"))
     return load_ruler(list(b.tasks), b.length, b.num_samples, b.seed, lm, b.get("max_new_tokens"),
                       essay_file=src.essay_file, squad_file=src.squad_file, hotpotqa_file=src.hotpotqa_file)
 

@@ -138,3 +138,52 @@ def test_cli_ruler_all_tasks_end_to_end(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "ruler" / "predictions.jsonl").read_text().splitlines()]
     assert sorted(r["task"] for r in rows) == sorted(OFFLINE)
+
+
+def _kvpress_set(tmp_path: Path) -> Path:
+    """A local copy of ``simonjegou/ruler`` in its layout: one directory per length, records split into context /
+    question / answer prefix."""
+    root = tmp_path / "ruler_kvpress"
+    (root / "4096").mkdir(parents=True)
+    records = [{"context": "Some special magic numbers are hidden within the following text.\nOne of the special magic "
+                           f"numbers for key-{i} is: {1000 + i}.\n" + "The grass is green. " * 40,
+                "question": f"What are all the special magic numbers for key-{i} mentioned in the provided text?",
+                "answer_prefix": f" The special magic numbers for key-{i} mentioned in the provided text are",
+                "answer": [str(1000 + i)], "task": "niah_single_1", "max_new_tokens": 128} for i in range(3)]
+    records.append({**records[0], "task": "qa_1", "answer": ["a", "b"], "max_new_tokens": 32})
+    (root / "4096" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root
+
+
+def test_kvpress_ruler_records_become_samples(tiny_lm, tmp_path):
+    """``ruler.source=kvpress``: the user turn is context + question, the answer prefix after the assistant header,
+    the record's max_new_tokens, string_match_part for qa."""
+    from spark_bench.benchmarks.ruler.kvpress_records import load_kvpress_ruler
+
+    root = _kvpress_set(tmp_path)
+    samples = load_kvpress_ruler(["niah_single_1", "qa_1"], 4096, 2, tiny_lm, str(root))
+    assert [s.id for s in samples] == ["niah_single_1-0", "niah_single_1-1", "qa_1-0"]
+    tok, first = tiny_lm.tokenizer, samples[0]
+    assert tok.decode(first.input_ids[first.context_end:first.question_end]).lstrip() == (  # " What": one token
+        "What are all the special magic numbers for key-0 mentioned in the provided text?")
+    assert tok.decode(first.input_ids[first.question_end:]) == (
+        "<|im_end|>\n<|im_start|>assistant\n The special magic numbers for key-0 mentioned in the provided text are")
+    assert first.max_new_tokens == 128 and first.answers == ("1000",) and first.metric == "string_match_all"
+    assert samples[2].metric == "string_match_part"
+    with pytest.raises(ValueError, match=r"has no records of task\(s\) \['vt'\]; it has: niah_single_1, qa_1"):
+        load_kvpress_ruler(["vt"], 4096, 2, tiny_lm, str(root))
+
+
+def test_cli_runs_the_kvpress_ruler_set(tmp_path):
+    import subprocess
+    import sys
+
+    root = _kvpress_set(tmp_path)
+    cmd = [sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "method=snapkv", "budget=0.5",
+           "ruler.source=kvpress", f"ruler.kvpress_path={root}", "benchmark.length=4096", "benchmark.num_samples=2",
+           "benchmark.tasks=[niah_single_1]", "benchmark.max_new_tokens=3", "progress=false",
+           f"output_root={tmp_path}", "run=kv"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = (tmp_path / "kv" / "predictions.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ["niah_single_1-0", "niah_single_1-1"]
