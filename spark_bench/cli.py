@@ -227,7 +227,8 @@ def _ruler(cfg: DictConfig, lm):
 
         return load_kvpress_ruler(list(b.tasks), b.length, b.num_samples, lm, src.kvpress_path, b.get("max_new_tokens"))
     return load_ruler(list(b.tasks), b.length, b.num_samples, b.seed, lm, b.get("max_new_tokens"),
-                      essay_file=src.essay_file, squad_file=src.squad_file, hotpotqa_file=src.hotpotqa_file)
+                      essay_file=src.essay_file, squad_file=src.squad_file, hotpotqa_file=src.hotpotqa_file,
+                      system_prompt=src.get("system_prompt", True))
 
 
 def _longbench(cfg: DictConfig, lm):

@@ -187,3 +187,35 @@ def test_cli_runs_the_kvpress_ruler_set(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = (tmp_path / "kv" / "predictions.jsonl").read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == ["niah_single_1-0", "niah_single_1-1"]
+
+
+LLAMA31_LIKE = ("{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']"
+                "|trim %}{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+                "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}{{- 'Cutting Knowledge Date: December 2023"
+                "\\n\\n' }}{{- system_message }}{{- '<|eot_id|>' }}{%- for message in messages %}{{- '<|start_header_id|>'"
+                " + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+                "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n'"
+                " }}{%- endif %}")
+
+
+def test_chat_template_without_its_default_system_prompt(tiny_lm):
+    """RULER's model templates have no system prompt: ``ruler.system_prompt=false`` drops the one a chat template adds
+    by default (SmolLM2's, a Llama-3.1-style date block), keeping the BOS text before it."""
+    import copy
+
+    from spark_bench.benchmarks.base import chat_text
+
+    tok = tiny_lm.tokenizer
+    assert chat_text(tok, "Hi\nWhat?", system_prompt=False) == "<|im_start|>user\nHi\nWhat?<|im_end|>\n<|im_start|>assistant\n"
+    llama = copy.deepcopy(tok)
+    llama.chat_template = LLAMA31_LIKE
+    assert "Cutting Knowledge Date" in chat_text(llama, "Hi", system_prompt=True)
+    assert chat_text(llama, "Hi", system_prompt=False) == (
+        f"{llama.bos_token}<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    (plain,) = load_ruler(["niah_single_1"], 600, 1, 0, tiny_lm, system_prompt=False)
+    (default,) = load_ruler(["niah_single_1"], 600, 1, 0, tiny_lm)
+    assert "You are a helpful AI assistant" in tok.decode(default.input_ids)
+    text = tok.decode(plain.input_ids)
+    assert "You are a helpful AI assistant" not in text and text.startswith("<|im_start|>user\n")
+    assert tok.decode(plain.input_ids[plain.question_end:]).startswith("<|im_end|>\n<|im_start|>assistant\n")

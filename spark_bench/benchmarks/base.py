@@ -62,6 +62,32 @@ def question_start(text: str, context: str) -> int:
     return end + len(text[end:]) - len(text[end:].lstrip())
 
 
+def chat_text(tokenizer: PreTrainedTokenizerBase, user_text: str, system_prompt: bool = True) -> str:
+    """One user turn in the tokenizer's chat template, with the generation prompt. ``system_prompt=False`` drops the
+    system block a template adds by default (SmolLM2's "You are a helpful AI assistant…", Llama-3.1's date lines), as
+    RULER's own model templates have none: the template is rendered with a marker system message, and everything
+    from the system header to the end of that turn is cut (the BOS text before it is kept)."""
+    turn = [{"role": "user", "content": user_text}]
+    if system_prompt:
+        return tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+    mark = "\u2063SYSTEM\u2063"
+    with_mark = tokenizer.apply_chat_template([{"role": "system", "content": mark}, *turn], tokenize=False,
+                                              add_generation_prompt=True)
+    plain = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=False)
+    end_of_turn = plain[plain.rindex(user_text.strip()) + len(user_text.strip()):]
+    at = with_mark.find(mark)
+    rest = with_mark[at + len(mark):]
+    core = user_text.strip()
+    if at < 0 or not rest.startswith(end_of_turn) or core not in rest:
+        raise ValueError("cannot remove the system prompt from this chat template")
+    tail = rest[len(end_of_turn):]
+    system_header = tail[:tail.index(core)].replace("user", "system")
+    start = with_mark.find(system_header)
+    if start < 0 or start > at:
+        raise ValueError("cannot remove the system prompt from this chat template")
+    return with_mark[:start] + tail
+
+
 def _token_boundary(offsets: list[tuple[int, int]], char: int) -> int:
     """Number of leading tokens that end at or before character ``char`` (a token straddling ``char`` belongs to
     the later part, so nothing of the later part is in the earlier one)."""
@@ -72,7 +98,7 @@ def _token_boundary(offsets: list[tuple[int, int]], char: int) -> int:
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, answer_prefix: str = "",
-                  chat_template: bool = True, question_at: int | None = None, bos: bool = True) -> Prompt:
+                  chat_template: bool | str = True, question_at: int | None = None, bos: bool = True) -> Prompt:
     """Token ids of ``user_text`` (wrapped in the chat template as one user turn when asked) followed by the
     answer prefix, which RULER appends after the assistant header, with the part boundaries: the question starts at
     character ``question_at`` of ``user_text`` (None: no question, the user turn is all context), the user turn ends
@@ -81,11 +107,11 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, answer_pre
     The whole string is tokenized once (the ids do not depend on the boundaries); boundaries come from the
     tokenizer's character offsets. The official kvpress pipeline tokenizes context and question separately, which
     can differ by a merge at the seam; the parts themselves are the ones its ``compress_questions`` splits.
-    ``bos=False``: no special tokens without a chat template (the official SparK code blanks the BOS token there)."""
+    ``bos=False``: no special tokens without a chat template (the official SparK code blanks the BOS token there).
+    ``chat_template="no_system"``: the chat template without its default system prompt (:func:`chat_text`)."""
     question_at = len(user_text) if question_at is None else question_at
     if chat_template and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = chat_text(tokenizer, user_text, system_prompt=chat_template != "no_system")
         core = user_text.strip()  # templates may trim the message
         start = text.find(core)
         if start < 0:

@@ -29,14 +29,17 @@ def check_qa_sources(tasks, squad_file: str | None, hotpotqa_file: str | None) -
 
 def load_ruler(tasks, length: int, num_samples: int, seed: int, lm: LoadedModel,
                max_new_tokens: int | None = None, essay_file: str | None = None, squad_file: str | None = None,
-               hotpotqa_file: str | None = None) -> list[Sample]:
+               hotpotqa_file: str | None = None, system_prompt: bool = True) -> list[Sample]:
+    """RULER samples; ``system_prompt=False`` wraps them in the chat template without its default system prompt
+    (RULER's own model templates have none; the official SparK code keeps the tokenizer's default)."""
     unknown = [t for t in tasks if t not in RULER_TASKS]
     if unknown:
         raise ValueError(f"unknown RULER task(s) {unknown}; valid: {', '.join(RULER_TASKS)}")
     if length > lm.config.max_length:
         raise ValueError(f"benchmark.length={length} exceeds model {lm.config.name} max_length={lm.config.max_length}")
     common = dict(tokenizer=lm.tokenizer, length=length, num_samples=num_samples, seed=seed,
-                  chat_template=lm.config.chat_template, max_new_tokens=max_new_tokens)
+                  chat_template=(lm.config.chat_template and (True if system_prompt else "no_system")),
+                  max_new_tokens=max_new_tokens)
     qa_files = {"squad": squad_file, "hotpotqa": hotpotqa_file}
     samples: list[Sample] = []
     for task in tasks:

@@ -53,7 +53,7 @@ def _text(num_words: int, length: int, seed: int, rng: random.Random) -> tuple[s
 
 
 def generate_cwe(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int,
-                 chat_template: bool = True, max_new_tokens: int | None = None):
+                 chat_template: bool | str = True, max_new_tokens: int | None = None):
     step = 10
     budget = length - TOKENS_TO_GENERATE
     limit = len(vocabulary(seed))

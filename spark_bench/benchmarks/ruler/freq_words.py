@@ -49,7 +49,7 @@ def _text(vocab: list[str], num_words: int, seed: int) -> tuple[str, list[str]]:
 
 
 def generate_fwe(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int,
-                 chat_template: bool = True, max_new_tokens: int | None = None):
+                 chat_template: bool | str = True, max_new_tokens: int | None = None):
     max_len = length - TOKENS_TO_GENERATE
     vocab_size = max(max_len // 50, 4)
     step = max(max_len // 32, 1)

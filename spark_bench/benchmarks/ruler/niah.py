@@ -128,7 +128,7 @@ def _increment(task: NiahTask, length: int) -> int:
 
 
 def generate_niah(name: str, tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int,
-                  chat_template: bool = True, max_new_tokens: int | None = None,
+                  chat_template: bool | str = True, max_new_tokens: int | None = None,
                  essay_file: str | None = None) -> list[Sample]:
     """``num_samples`` samples of task ``name`` whose prompt + generation budget fits in ``length`` tokens."""
     task = NIAH_TASKS[name]

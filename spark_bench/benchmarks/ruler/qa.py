@@ -115,7 +115,7 @@ def _text(qas, docs, index: int, num_docs: int, rng: random.Random, seed: int) -
 
 
 def generate_qa(task: str, dataset: str, source, tokenizer: PreTrainedTokenizerBase, length: int,
-                num_samples: int, seed: int, chat_template: bool = True, max_new_tokens: int | None = None):
+                num_samples: int, seed: int, chat_template: bool | str = True, max_new_tokens: int | None = None):
     qas, docs = source
     budget = length - TOKENS_TO_GENERATE
 

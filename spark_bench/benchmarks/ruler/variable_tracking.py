@@ -77,7 +77,7 @@ def randomize_icl(example: str, rng: random.Random) -> str:
 
 
 def generate_vt(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int,
-                chat_template: bool = True, max_new_tokens: int | None = None):
+                chat_template: bool | str = True, max_new_tokens: int | None = None):
     step = 10 if length >= 4096 else 5
     budget = length - TOKENS_TO_GENERATE
     icl = _icl_example(tokenizer, random.Random(f"{seed}-vt-icl"))
