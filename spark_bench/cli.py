@@ -282,9 +282,10 @@ def protocol_line(cfg: DictConfig) -> str:
         name = HydraConfig.get().runtime.choices.get("protocol")
     except ValueError:  # not under Hydra (tests, scripts)
         name = None
-    values = ", ".join([f"{k}={cfg.get(k)}" for k in PROTOCOL_KEYS]
-                       + [f"longbench.protocol={cfg.longbench.get('protocol')}"] * (cfg.benchmark.name == "longbench"))
-    return f"protocol: {name or '(none)'} ({values})"
+    values = [f"{k}={cfg.get(k)}" for k in PROTOCOL_KEYS]
+    if cfg.benchmark.name == "longbench":
+        values.append(f"longbench.protocol={cfg.longbench.get('protocol')}")
+    return f"protocol: {name or '(none)'} ({', '.join(values)})"
 
 
 def run(cfg: DictConfig, out_dir: Path) -> None:

@@ -72,9 +72,9 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
         built = [pipeline.build_cache(view, selections=selections.setdefault((i, id(view)), {}))
                  for (i, pipeline), view in zip(chunk, views)]
         rows = []
-        for (i, _), (cache, _), end in zip(chunk, built, ends):
-            sample, prefill = work[i][0], prefills[i]
-            rows.append(DecodeRow(cache, prefill.at(end).first_logits, end, sample.max_new_tokens,
+        for (i, _), (cache, _), view in zip(chunk, built, views):
+            sample, end = work[i][0], view.prompt_length
+            rows.append(DecodeRow(cache, view.first_logits, end, sample.max_new_tokens,
                                   lm.stop_token_ids | set(sample.stop_token_ids), sample.min_new_tokens,
                                   suffix=tuple(sample.input_ids[end:])))
         # bytes held when decoding starts: the compressed part plus the suffix run through it (dense)

@@ -70,15 +70,14 @@ def chat_text(tokenizer: PreTrainedTokenizerBase, user_text: str, system_prompt:
     turn = [{"role": "user", "content": user_text}]
     if system_prompt:
         return tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
-    mark = "\u2063SYSTEM\u2063"
+    mark, core = "\u2063SYSTEM\u2063", user_text.strip()
     with_mark = tokenizer.apply_chat_template([{"role": "system", "content": mark}, *turn], tokenize=False,
                                               add_generation_prompt=True)
     plain = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=False)
-    end_of_turn = plain[plain.rindex(user_text.strip()) + len(user_text.strip()):]
+    end_of_turn = plain[plain.rindex(core) + len(core):]
     at = with_mark.find(mark)
-    rest = with_mark[at + len(mark):]
-    core = user_text.strip()
-    if at < 0 or not rest.startswith(end_of_turn) or core not in rest:
+    rest = with_mark[at + len(mark):] if at >= 0 else ""
+    if not rest.startswith(end_of_turn) or core not in rest:
         raise ValueError("cannot remove the system prompt from this chat template")
     tail = rest[len(end_of_turn):]
     system_header = tail[:tail.index(core)].replace("user", "system")

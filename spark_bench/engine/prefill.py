@@ -66,7 +66,8 @@ class Prefill:
 
     def at(self, end: int, q_norm: bool = True) -> "Prefill":
         """The prefill of the first ``end`` prompt tokens (the same object for the whole prompt): key/value views,
-        the window queries ending at ``end`` (recorded by :func:`run_prefill` for each of its ``ends``); with
+        the window queries ending at ``end`` (recorded by :func:`run_prefill` for each of its ``ends``), the first
+        logits only when ``end`` is the whole prompt; with
         ``q_norm=False`` the window queries (and statistics) recomputed without Qwen3's query norm, as the official
         SparK code does (``run_prefill(raw_queries=True)``; the same as ``True`` for models without one). One object
         per (prefix, q_norm), so configs of the same scope share its memo."""
@@ -81,7 +82,7 @@ class Prefill:
             view = self.prefixes[key] = Prefill(
                 layers=tuple(LayerPrefill(full.keys[:, :, :end], full.values[:, :, :end], *captured)
                              for full, captured in zip(self.layers, view)),
-                prompt_length=end, first_logits=None, seconds=0.0)
+                prompt_length=end, first_logits=self.first_logits if end == self.prompt_length else None, seconds=0.0)
         return view
 
     @property

@@ -51,9 +51,10 @@ METHOD_NAMES = ("full", *EVICTION_METHODS, *CHANNEL_METHODS,
 
 # option name → allowed values, for the options with a closed set (checked before anything runs)
 COMPRESS_SCOPES = ("prompt", "question", "context")
-CHOICES = {"compress_scope": COMPRESS_SCOPES, "saliency": SALIENCY_MODES, "recovery": RECOVERY_MODES, "recovery_stats": STATS, "variant": VARIANTS, "pooling": ("max", "avg"),
-           "pyramid_fallback": FALLBACKS, "ada_safeguard": SAFEGUARDS, "value_score": VALUE_SCORES,
-           "value_fill": VALUE_FILLS, "saliency_dtype": SALIENCY_DTYPES}
+CHOICES = {"compress_scope": COMPRESS_SCOPES, "saliency": SALIENCY_MODES, "recovery": RECOVERY_MODES,
+           "recovery_stats": STATS, "variant": VARIANTS, "pooling": ("max", "avg"), "pyramid_fallback": FALLBACKS,
+           "ada_safeguard": SAFEGUARDS, "value_score": VALUE_SCORES, "value_fill": VALUE_FILLS,
+           "saliency_dtype": SALIENCY_DTYPES}
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ def paper_tables() -> list[str]:
 
 
 def paper_table(name_or_path: str | Path) -> Path:
-    """A paper table by name (``tab_main``, ``tab_main.csv``) or by a CSV path; a path that does not exist (e.g. the
-    old ``../shared/paper/tables/tab_main.csv`` in a fresh clone) falls back to the shipped table of that name."""
+    """A paper table by name (``tab_main``, ``tab_main.csv``) or by a CSV path; a path that does not exist (e.g. a
+    path into the paper's sources, absent from a fresh clone) falls back to the shipped table of that name."""
     path = Path(name_or_path)
     if path.is_file():
         return path

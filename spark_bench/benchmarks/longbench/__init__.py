@@ -155,7 +155,7 @@ def _question_at(prompt: str, question: str) -> int | None:
     """Where the question (the template's part after the context) starts in ``prompt``, if it is there whole."""
     if not prompt.endswith(question):
         return None
-    return len(prompt) - len(question) + len(question) - len(question.lstrip())
+    return len(prompt) - len(question.lstrip())
 
 
 def _kvpress_prompt(prompt: str, question: str, spec: LongBenchTask, lm: LoadedModel,

@@ -1,8 +1,9 @@
 """RULER ``qa_1`` (SQuAD v2) and ``qa_2`` (HotpotQA), ``scripts/data/synthetic/qa.py``.
 
 The question's gold documents are mixed with distractor documents (first the other paragraphs of the same
-article for SQuAD, then random ones) as ``Document i:\\n…`` blocks, shuffled by the seed, as many as fit (a sample that comes out too long drops RULER's increment of 10
-documents at a time, single documents below 10); scored with ``string_match_part``. Data: the official files RULER downloads (``ruler.squad_file``: SQuAD v2
+article for SQuAD, then random ones) as ``Document i:\\n…`` blocks, shuffled by the seed, as many as fit (a
+sample that comes out too long drops RULER's increment of 10 documents at a time, single documents below 10);
+scored with ``string_match_part``. Data: the official files RULER downloads (``ruler.squad_file``: SQuAD v2
 ``dev-v2.0.json``; ``ruler.hotpotqa_file``: ``hotpot_dev_distractor_v1.json``), or the same sets from the hub
 (``rajpurkar/squad_v2``, ``hotpotqa/hotpot_qa`` distractor: a local copy in the hub cache, else a download) when
 no file is given. With neither, the run stops before the model loads with one line naming ``ruler.<set>_file``

@@ -3,8 +3,9 @@
 A chain ``VAR A = 12345, VAR B = VAR A, …`` (5-letter upper-case names, a random 5-digit value) is hidden at random
 lines of the noise haystack; the model lists every variable holding the value. As in RULER, a one-shot example
 built the same way (3-letter names, value 12345, ≤ 500 tokens) is prepended to every sample with a blank line
-between, its names and value re-drawn per sample (RULER's ``randomize_icl``); the largest fitting number of noise sentences is searched, and a sample that comes out too long
-shrinks by RULER's increment (10 noise sentences, 5 below 4K tokens).
+between, its names and value re-drawn per sample (RULER's ``randomize_icl``); the largest fitting number of noise
+sentences is searched, and a sample that comes out too long shrinks by RULER's increment (10 noise sentences, 5
+below 4K tokens).
 """
 
 from __future__ import annotations
