@@ -4,7 +4,9 @@ import torch
 from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods.channel.spark import SparK
 from spark_bench.methods.channel.think import ThinK
-from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
+import itertools
+
+from spark_bench.storage.bits import masked_entries, pack_bits, tensor_bytes, unpack_bits
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 13, 64, 102])
@@ -13,6 +15,27 @@ def test_pack_unpack_roundtrip(n):
     packed = pack_bits(bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == (n + 7) // 8
     assert torch.equal(unpack_bits(packed, n), bits)
+
+
+def test_pack_bits_every_byte_by_hand_and_unaligned_inputs():
+    # all 256 patterns against the plain weighted sum Σ_i bit_i·2^i (the multiply-gather must never carry)
+    patterns = torch.tensor(list(itertools.product([False, True], repeat=8)))
+    expected = [sum(1 << i for i, bit in enumerate(row) if bit) for row in patterns.tolist()]
+    assert pack_bits(patterns).squeeze(-1).tolist() == expected
+    # a view starting at an odd offset, and a non-contiguous one, pack like their copies
+    flat = torch.rand(203, generator=torch.Generator().manual_seed(1)) > 0.5
+    assert torch.equal(pack_bits(flat[3:131]), pack_bits(flat[3:131].clone()))
+    grid = flat[:200].view(10, 20)
+    assert torch.equal(pack_bits(grid.t()), pack_bits(grid.t().contiguous()))
+    assert torch.equal(unpack_bits(pack_bits(grid.t()), 10), grid.t())
+
+
+def test_masked_entries_equals_masked_select_and_checks_the_shape():
+    g = torch.Generator().manual_seed(2)
+    data, mask = torch.randn(2, 3, 7, 16, generator=g), torch.rand(2, 3, 7, 16, generator=g) > 0.4
+    assert torch.equal(masked_entries(data, mask), data.masked_select(mask))
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 16\) for data of shape \(2, 3, 7, 16\)"):
+        masked_entries(data, mask[0, :, 0])
 
 
 def _layer(keys, window_queries):
@@ -96,3 +119,22 @@ def test_think_keeps_recent_window_dense():
 def test_ratio_zero_materializes_exact_keys(method):
     keys, layer = _random_layer(64)
     assert torch.equal(method.compress_keys(keys, layer).materialize(), keys)
+
+
+def test_spark_configs_sharing_keys_share_one_mask_and_build_the_same_stores():
+    """The kept mask is memoised per (keys, saliency, keep rule) in the layer's memo: a second ratio-0.5 config with
+    another recovery reuses it, and every store equals one built on a fresh memo; other keys or ratios never hit."""
+    g = torch.Generator().manual_seed(3)
+    keys, queries = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 4, 32, 16, generator=g)
+    layer = _layer(keys, queries)
+    configs = [SparK(ratio=0.5), SparK(ratio=0.5, recovery="none"), SparK(ratio=0.75),
+               SparK(ratio=0.5, saliency="paper")]
+    shared = [c.compress_keys(keys, layer) for c in configs]
+    assert len([k for k in layer.memo if k[0] == "spark_mask"]) == 3  # two configs shared one entry
+    for config, store in zip(configs, shared):
+        alone = config.compress_keys(keys, _layer(keys, queries))
+        assert torch.equal(store.kept, alone.kept) and torch.equal(store.mask_bits, alone.mask_bits)
+        assert torch.equal(store.materialize(), alone.materialize())
+    other = keys.clone()  # equal values, other tensor: no hit, a new entry
+    SparK(ratio=0.5).compress_keys(other, layer)
+    assert len([k for k in layer.memo if k[0] == "spark_mask"]) == 4

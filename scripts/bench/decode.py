@@ -5,6 +5,8 @@
   ``paper-shape``, both modes on the same samples; the tokens must be identical.
 * Decode tokens/s, and the share of wall time outside the model's forward passes (prefill + decode steps, attention
   included), with and without compression.
+* The most batching could give on this device: the batched run with every forward pass at the cost of a
+  weights-only step (a one-token cache) at its batch size, everything else as measured.
 * One batched decode step over the demo's compressed caches vs the same step with a plain dense transformers
   ``DynamicCache`` holding the full prompt for every row (the reference limit), at the same batch size.
 
@@ -51,6 +53,12 @@ def sweep_configs(name: str) -> list[MethodConfig]:
     return [MethodConfig(**entry) for entry in entries]
 
 
+def forwards(tokens: list[int], max_new_tokens: int) -> int:
+    """Forward passes a row took part in (prompt scope, no suffix): tokens 2 … n each need one, and a row stopped
+    by a stop token (n < max_new_tokens) needed one more to produce it; the first token comes from the prefill."""
+    return len(tokens) if len(tokens) < max_new_tokens else len(tokens) - 1
+
+
 def timed_sweep(lm, samples, configs, out: Path, decode_batch, decode_samples: int = 1) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # fresh: an existing results dir would resume and compute nothing
     start = time.perf_counter()
@@ -60,24 +68,68 @@ def timed_sweep(lm, samples, configs, out: Path, decode_batch, decode_samples: i
     prefill = float(preds.groupby("id").prefill_s.first().sum())
     decode, compress = float(preds.decode_s.sum()), float(preds.compress_s.sum())
     tokens = int(preds.tokens.map(len).sum())
+    cap = {s.id: s.max_new_tokens for s in samples}
+    rows = {i: [forwards(t, cap[i]) for t in group.tokens] for i, group in preds.groupby("id", sort=False)}
     return {"wall_s": round(wall, 2), "prefill_s": round(prefill, 2), "compress_s": round(compress, 2),
             "decode_forward_s": round(decode, 2), "decode_tokens": tokens,
             "decode_tokens_per_s": round(tokens / max(decode, 1e-9), 1),
             "harness_share": round((wall - prefill - decode) / wall, 4),
             "harness_share_excl_compress": round((wall - prefill - decode - compress) / wall, 4),
-            "tokens": [list(t) for t in preds.tokens]}
+            "tokens": [list(t) for t in preds.tokens], "row_forwards": [rows[s.id] for s in samples]}
 
 
-def compare(lm, samples, configs, scratch: Path, name: str) -> dict:
-    """decode_batch=1 vs the default (all configs of a sample) vs two samples' configs per batch."""
+def weights_floor_s(row_forwards: list[list[int]], decode_samples: int, step_ms: dict[int, float]) -> float:
+    """Seconds the batched run's forward passes take at least: each pass of a batch costs the weights-only step
+    at the number of rows still live in it (``decode_samples`` samples' rows per batch, all starting together)."""
+    total = 0.0
+    for i in range(0, len(row_forwards), decode_samples):
+        batch = [n for sample in row_forwards[i:i + decode_samples] for n in sample]
+        total += sum(step_ms[sum(n >= k for n in batch)] for k in range(1, max(batch, default=0) + 1))
+    return total / 1000
+
+
+@torch.inference_mode()
+def weights_step_ms(lm, sizes: range, steps: int = 10) -> dict[int, float]:
+    """Fastest of ``steps`` decode steps at batch ``r`` over a one-token dense cache: the model's weights with next
+    to no attention, what any decode step at that batch size costs at least on this device (the minimum, not the
+    median: a floor should not carry this machine's noise)."""
+    model = lm.model
+    device = model.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = {}
+    for r in sizes:
+        cache = DynamicCache(config=model.config)
+        token = torch.zeros((r, 1), dtype=torch.long, device=device)
+        model(input_ids=token, position_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        times = []
+        for i in range(steps):
+            sync()
+            start = time.perf_counter()
+            model(input_ids=token, position_ids=torch.full_like(token, i + 1), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+            sync()
+            times.append(time.perf_counter() - start)
+        out[r] = round(1000 * min(times), 2)
+    return out
+
+
+def compare(lm, samples, configs, scratch: Path, name: str, step_ms: dict[int, float]) -> dict:
+    """decode_batch=1 vs the default (all configs of a sample) vs two samples' configs per batch, and the most any
+    batching could give: the batched run with its forward passes at the weights-only floor (attention free)."""
     one = timed_sweep(lm, samples, configs, scratch / f"{name}_1", 1)
     batched = timed_sweep(lm, samples, configs, scratch / f"{name}_all", None)
     pairs = timed_sweep(lm, samples, configs, scratch / f"{name}_pairs", None, decode_samples=2)
     same = one.pop("tokens") == batched.pop("tokens") == pairs.pop("tokens")
+    bounds = {}
+    for label, run, per_batch in (("batched", batched, 1), ("batched_2_samples", pairs, 2)):
+        floor = weights_floor_s(run["row_forwards"], per_batch, step_ms)
+        run["weights_floor_s"] = round(floor, 2)
+        bounds[label] = round(one["wall_s"] / (run["wall_s"] - run["decode_forward_s"] + floor), 2)
     return {"configs": len(configs), "samples": len(samples), "decode_batch_1": one, "batched": batched,
             "batched_2_samples": pairs, "speedup": round(one["wall_s"] / batched["wall_s"], 2),
             "speedup_2_samples": round(one["wall_s"] / pairs["wall_s"], 2),
             "decode_speedup": round(one["decode_forward_s"] / batched["decode_forward_s"], 2),
+            "speedup_bound": bounds["batched"], "speedup_bound_2_samples": bounds["batched_2_samples"],
             "identical_tokens": same}
 
 
@@ -138,10 +190,16 @@ def main() -> None:
     lm = load_model(model_cfg, args.device)
     samples = load_ruler(NEEDLES, args.length, args.samples, 42, lm, args.max_new_tokens)
     scratch = args.out.parent / "decode_runs"
-    result = json.loads(args.out.read_text()) if args.steps_only else {
-        "model": model_cfg.name, "length": args.length, "max_new_tokens": args.max_new_tokens,
-        "threads": torch.get_num_threads(), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        **{name: compare(lm, samples, sweep_configs(name), scratch, name) for name in sweeps}}
+    if args.steps_only:
+        result = json.loads(args.out.read_text())
+    else:
+        most = 2 * max(len(sweep_configs(name)) for name in sweeps)
+        floor = weights_step_ms(lm, range(1, most + 1))
+        result = {"model": model_cfg.name, "length": args.length, "max_new_tokens": args.max_new_tokens,
+                  "threads": torch.get_num_threads(),
+                  "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                  "weights_step_ms": floor,
+                  **{name: compare(lm, samples, sweep_configs(name), scratch, name, floor) for name in sweeps}}
     for name in sweeps:
         result[f"step_{name}"] = step_ms(lm, samples[0], sweep_configs(name), steps=12, repeats=3)
     shutil.rmtree(scratch, ignore_errors=True)

@@ -41,6 +41,17 @@ def decode_section(d: dict, title: str) -> list[str]:
     first = next(iter(goals))
     lines.append(f"- prefill: {d[first]['batched']['prefill_s']} s of the {first} sweep's batched "
                  f"{d[first]['batched']['wall_s']} s is the 8 prompts' prefill, which batching cannot share")
+    if "weights_step_ms" in d:
+        w = d["weights_step_ms"]
+        sizes = sorted({1, *(d[name]["configs"] for name in goals)})
+        lines.append("- the most batching could give on this device: the batched run with every forward pass at the "
+                     "cost of a weights-only step (one-token cache, no prompt attention) at its batch size, "
+                     "everything else as measured: " + "; ".join(
+                         f"{name} ≤ {d[name]['speedup_bound']}× (decode_samples=2: ≤ "
+                         f"{d[name]['speedup_bound_2_samples']}×; goal {goal}, "
+                         f"{'attainable' if d[name]['speedup_bound'] >= goal else '**not attainable**'})"
+                         for name, goal in goals.items())
+                     + ". Weights-only step: " + ", ".join(f"batch {r} {w[str(r)]} ms" for r in sizes))
     for name in goals:
         st = d[f"step_{name}"]
         lines.append(f"- one batched step, {st['batch']} rows, {st['prompt_tokens']}-token prompt: compressed "

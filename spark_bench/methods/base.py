@@ -61,7 +61,7 @@ def top_tokens(scores: torch.Tensor, n_keep: int, forced: torch.Tensor | None = 
     ``scores`` is ``(B, H, n)`` over prompt positions ``offset … offset + n − 1``.
     """
     n_forced = 0 if forced is None else forced.numel()
-    top = scores.topk(n_keep - n_forced, dim=-1).indices + offset
+    top = scores.topk(n_keep - n_forced, dim=-1, sorted=False).indices + offset  # the set; sorted below
     if forced is not None:
         top = torch.cat([top, forced.expand(*top.shape[:2], n_forced)], dim=-1)
     return TokenSelection(top.sort(dim=-1).values)

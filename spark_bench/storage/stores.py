@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
+from spark_bench.storage.bits import masked_entries, pack_bits, tensor_bytes, unpack_bits
 
 
 class Store(Protocol):
@@ -105,7 +105,7 @@ class UnstructuredStore:
         per_row = kept_mask.sum(-1)
         fixed = int(per_row.flatten()[0]) if per_row.numel() and bool((per_row == per_row.flatten()[0]).all()) \
             else None
-        return cls(kept=data.masked_select(kept_mask), mask_bits=pack_bits(kept_mask), shape=tuple(data.shape),
+        return cls(kept=masked_entries(data, kept_mask), mask_bits=pack_bits(kept_mask), shape=tuple(data.shape),
                    recovery=recovery, row_kept=fixed)
 
     @property

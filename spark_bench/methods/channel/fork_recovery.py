@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
+from spark_bench.storage.bits import masked_entries, pack_bits, tensor_bytes, unpack_bits
 
 FORK_MODES = ("fork_key_normal", "fork_key_exponential", "fork_ranked_normal", "fork_ranked_exponential")
 
@@ -46,7 +46,7 @@ def _draw(kind: str, mean: torch.Tensor, std: torch.Tensor | None, shape, seed: 
 
 
 def _signs(keys: torch.Tensor, kept_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    signs = (keys > 0).masked_select(~kept_mask)
+    signs = masked_entries(keys > 0, ~kept_mask)
     return pack_bits(signs), signs.numel()
 
 
@@ -112,7 +112,7 @@ class ForkRankedRecovery:
         mu = (saliency * pruned).sum(-1) / pruned.sum(-1).clamp(min=1)
         rank = saliency.argsort(-1, descending=True).argsort(-1)  # channel → its rank
         return cls(kind, mean.to(dtype), std, threshold.to(dtype), mu.to(dtype),
-                   rank.masked_select(pruned).to(torch.uint8), query_norm, *_signs(keys, kept_mask), seed)
+                   masked_entries(rank, pruned).to(torch.uint8), query_norm, *_signs(keys, kept_mask), seed)
 
     def scores(self, kept_mask: torch.Tensor) -> torch.Tensor:
         draws = _draw(self.kind, self.mean, self.std, kept_mask.shape, self.seed).sort(-1, descending=True).values

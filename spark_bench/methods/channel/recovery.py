@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from spark_bench.methods.channel.fork_recovery import FORK_MODES
-from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
+from spark_bench.storage.bits import masked_entries, pack_bits, tensor_bytes, unpack_bits
 from spark_bench.storage.fast_logits import FastTerms
 
 SAMPLED = ("degenerate", "gaussian", "exponential")
@@ -131,7 +131,7 @@ class SignedKey:
 
     @classmethod
     def build(cls, keys: torch.Tensor, kept_mask: torch.Tensor, query_norm: torch.Tensor) -> "SignedKey":
-        signs = (keys > 0).masked_select(~kept_mask)
+        signs = masked_entries(keys > 0, ~kept_mask)
         return cls(query_norm=query_norm, sign_bits=pack_bits(signs), n_signs=signs.numel())
 
     def keys(self, scores: torch.Tensor, kept_mask: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from spark_bench.methods.channel.fork_recovery import FORK_MODES, build_fork_rec
 from spark_bench.methods.channel.recovery import (
     RECOVERY_MODES, STATS, AlignedKey, ConstantFill, SampledRecovery, SignedKey, build_sampler,
 )
+from spark_bench.storage.bits import pack_bits, unpack_bits
 from spark_bench.storage.stores import UnstructuredStore
 
 SALIENCY_MODES = ("official", "paper")
@@ -128,7 +129,7 @@ class SparK(ChannelMethod):
     def kept_mask(self, saliency: torch.Tensor) -> torch.Tensor:
         d = saliency.shape[-1]
         if self.variant == "fixed":
-            top = saliency.topk(self.n_keep(d), dim=-1).indices
+            top = saliency.topk(self.n_keep(d), dim=-1, sorted=False).indices  # only the set is used
             return torch.zeros_like(saliency, dtype=torch.bool).scatter_(-1, top, True)
         order = saliency.argsort(dim=-1, descending=True)
         if self.variant == "top_p":
@@ -154,9 +155,22 @@ class SparK(ChannelMethod):
         mapping = SignedKey.build(keys, mask, stat) if self.saliency == "official" else AlignedKey(stat)
         return SampledRecovery(sampler, mapping)
 
+    def shared_mask(self, keys: torch.Tensor, saliency: torch.Tensor, layer: LayerPrefill) -> torch.Tensor:
+        """:meth:`kept_mask`, computed once per sample for the configs that prune the same evicted keys with the
+        same saliency and keep rule (e.g. one ratio under several recoveries): kept in ``layer.memo`` as packed
+        bits next to the keys it was computed from (a hit needs those very keys)."""
+        key = ("spark_mask", id(keys), self.saliency, self.saliency_dtype, self.window_size, self.variant,
+               self.n_keep(keys.shape[-1]) if self.variant == "fixed" else (self.ratio, self.top_p, self.groups))
+        hit = layer.memo.get(key)
+        if hit is not None and hit[0] is keys:
+            return unpack_bits(hit[1], keys.shape[-1])
+        mask = self.kept_mask(saliency)
+        layer.memo[key] = (keys, pack_bits(mask))
+        return mask
+
     def compress_keys(self, keys: torch.Tensor, layer: LayerPrefill, layer_idx: int = 0) -> UnstructuredStore:
         stat = self.query_stat(layer)
         saliency = self.saliency_scores(keys, stat)
-        mask = self.kept_mask(saliency)
+        mask = self.shared_mask(keys, saliency, layer)
         recovery = self.build_recovery(keys, mask, saliency, stat, seed=self.seed * 100_003 + layer_idx)
         return UnstructuredStore.from_mask(keys, mask, recovery)

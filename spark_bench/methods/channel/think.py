@@ -43,7 +43,7 @@ class ThinK(ChannelMethod):
         if old.shape[-2] == 0:
             channels = torch.arange(d, device=keys.device).expand(*keys.shape[:2], d)
         else:
-            channels = self.channel_scores(old, layer).topk(n_keep, dim=-1).indices.sort(dim=-1).values
+            channels = self.channel_scores(old, layer).topk(n_keep, dim=-1, sorted=False).indices.sort(dim=-1).values
         channels = channels[..., :n_keep]
         index = channels.unsqueeze(-2).expand(*old.shape[:-1], n_keep)
         return StructuredKeyStore(kept=old.gather(-1, index), channels=channels.to(channel_index_dtype(d)),

@@ -54,7 +54,7 @@ class ValueNorm:
 
     def compress_values(self, values: torch.Tensor) -> UnstructuredStore:
         d = values.shape[-1]
-        top = value_scores(values, self.score).topk(d - int(self.ratio * d), dim=-1).indices
+        top = value_scores(values, self.score).topk(d - int(self.ratio * d), dim=-1, sorted=False).indices
         mask = torch.zeros(values.shape, dtype=torch.bool, device=values.device).scatter_(-1, top, True)
         if self.fill == "zero":
             return UnstructuredStore.from_mask(values, mask, ConstantFill(0.0))

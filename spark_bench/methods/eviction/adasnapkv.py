@@ -53,9 +53,10 @@ class AdaSnapKV(SnapKV):
             n_keep = w  # a fraction of a short prompt: keep just the window
         scores = self.token_scores(layer)  # (B, H, S − W)
         per_head, n_scored = n_keep - w, s - w
-        safe = scores.topk(safeguard_tokens(self.safeguard, self.alpha_safeguard, n_keep, w), dim=-1).indices
+        safe = scores.topk(safeguard_tokens(self.safeguard, self.alpha_safeguard, n_keep, w), dim=-1,
+                           sorted=False).indices
         scores = scores.scatter(-1, safe, float("inf"))
-        chosen = scores.reshape(b, -1).topk(h * per_head, dim=-1).indices
+        chosen = scores.reshape(b, -1).topk(h * per_head, dim=-1, sorted=False).indices
         selected = torch.zeros(b, h * n_scored, dtype=torch.bool, device=scores.device)
         selected = selected.scatter_(-1, chosen, True).view(b, h, n_scored)
         n_max = int(selected.sum(-1).max())
