@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-
-
+_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)  # bit i of a byte (unpack_bits)
 _GATHER = 0x0102040810204080  # × the 8 little-endian 0/1 bytes of an int64 → bit i of the byte at bit 56 + i
 
 
