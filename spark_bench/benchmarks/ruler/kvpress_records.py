@@ -14,7 +14,7 @@ the hub) instead of generating samples; the lengths are the set's (``benchmark.l
 
 from __future__ import annotations
 
-from spark_bench.benchmarks.base import Sample, encode_prompt
+from spark_bench.benchmarks.base import Sample, encode_prompt, question_start
 from spark_bench.models import LoadedModel
 
 LENGTHS = (4096, 8192, 16384)
@@ -45,7 +45,7 @@ def read_records(path: str, length: int) -> list[dict]:
 def to_sample(record: dict, index: int, lm: LoadedModel, max_new_tokens: int | None = None) -> Sample:
     context, question = record["context"], record["question"]
     prompt = encode_prompt(lm.tokenizer, context + question, record["answer_prefix"], lm.config.chat_template,
-                           question_at=len(context) + len(question) - len(question.lstrip()))
+                           question_at=question_start(context + question, context))
     answers = record["answer"]
     answers = [answers] if isinstance(answers, str) else list(answers)
     task = record["task"]
