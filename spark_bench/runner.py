@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.metrics import score
 from spark_bench.engine.decode import DecodeRow, decode_rows
-from spark_bench.engine.prefill import run_prefill
+from spark_bench.engine.prefill import Prefill, run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.pipeline import kept_key_fraction, sweep_labels
 from spark_bench.models import LoadedModel
@@ -44,7 +44,7 @@ class Prediction:
     decode_s: float  # this config's share of the batched decode forwards (wall time / rows in the batch, per step)
 
 
-def _prefill(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]):
+def _prefill(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> Prefill:
     """One prefill of the whole prompt serves every pipeline, whatever part of the prompt it compresses."""
     window = max([p.config.observation_window for p in pipelines] + [1])
     specs = {p.query_stats for p in pipelines} - {None}
@@ -56,41 +56,59 @@ def _prefill(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]):
     return run_prefill(lm.model, input_ids, window, query_stats=next(iter(specs), None), ends=ends, raw_queries=raw)
 
 
+def _build_row(lm: LoadedModel, sample: Sample, pipeline: Pipeline, prefill: Prefill, selections: dict,
+               index: int) -> tuple[DecodeRow, tuple[float, int, float]]:
+    """Compress ``prefill`` under ``pipeline`` into a decode row; also (compress seconds, KV bytes, key ratio)."""
+    view = prefill.at(sample.scope_end(pipeline.config.compress_scope), pipeline.config.window_q_norm)
+    end = view.prompt_length
+    cache, compress_s = pipeline.build_cache(view, selections=selections.setdefault((index, id(view)), {}))
+    row = DecodeRow(cache, view.first_logits, end, sample.max_new_tokens,
+                    lm.stop_token_ids | set(sample.stop_token_ids), sample.min_new_tokens,
+                    suffix=tuple(sample.input_ids[end:]))
+    # bytes held when decoding starts: the compressed part plus the suffix run through it (dense)
+    kv_bytes = cache.nbytes() + (prefill.prompt_length - end) * prefill.dense_kv_bytes() // prefill.prompt_length
+    return row, (compress_s, kv_bytes, round(1 - kept_key_fraction(cache), 6))
+
+
 def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                 decode_batch: int | None = None) -> list[list[Prediction]]:
     """Prefill each sample once, compress it under each of its pipelines and decode all the compressed caches
     together — ``decode_batch`` rows per batch (None: every row of ``work`` in one batch; 1: one at a time) — then
-    score. One list of predictions per sample, in pipeline order; the tokens do not depend on the batching."""
-    prefills = [_prefill(lm, sample, pipelines) for sample, pipelines in work]
+    score. One list of predictions per sample, in pipeline order; the tokens do not depend on the batching.
+
+    A sample is prefilled when its first row is built and its prefill is dropped once its last row is built, so
+    joining several samples in one batch holds their compressed caches, not their prefills (a ``full`` row's cache
+    is the prefill's own keys and values)."""
     plan = [(i, pipeline) for i, (_, pipelines) in enumerate(work) for pipeline in pipelines]
+    last = {i: k for k, (i, _) in enumerate(plan)}  # the plan index of each sample's last row
     size = decode_batch or len(plan)
+    prefills: dict[int, Prefill] = {}  # sample index → its prefill, while some of its rows are still to be built
     selections: dict = {}  # per (sample, compressed length): token selections shared by its configs
+    facts: dict = {}       # sample index → (prompt length, dense KV bytes, prefill seconds)
     out: list[list[Prediction]] = [[] for _ in work]
-    for chunk in (plan[i:i + size] for i in range(0, len(plan), size)):
-        ends = [work[i][0].scope_end(pipeline.config.compress_scope) for i, pipeline in chunk]
-        views = [prefills[i].at(end, pipeline.config.window_q_norm) for (i, pipeline), end in zip(chunk, ends)]
-        built = [pipeline.build_cache(view, selections=selections.setdefault((i, id(view)), {}))
-                 for (i, pipeline), view in zip(chunk, views)]
-        rows = []
-        for (i, _), (cache, _), view in zip(chunk, built, views):
-            sample, end = work[i][0], view.prompt_length
-            rows.append(DecodeRow(cache, view.first_logits, end, sample.max_new_tokens,
-                                  lm.stop_token_ids | set(sample.stop_token_ids), sample.min_new_tokens,
-                                  suffix=tuple(sample.input_ids[end:])))
-        # bytes held when decoding starts: the compressed part plus the suffix run through it (dense)
-        measured = [(cache.nbytes() + (prefills[i].prompt_length - end) * prefills[i].dense_kv_bytes()
-                     // prefills[i].prompt_length, round(1 - kept_key_fraction(cache), 6))
-                    for (i, _), (cache, _), end in zip(chunk, built, ends)]
+    for first in range(0, len(plan), size):
+        chunk = plan[first:first + size]
+        rows, built = [], []
+        for k, (i, pipeline) in enumerate(chunk, first):
+            if i not in prefills:
+                prefills[i] = _prefill(lm, work[i][0], work[i][1])
+                facts[i] = (prefills[i].prompt_length, prefills[i].dense_kv_bytes(), prefills[i].seconds)
+            row, measured = _build_row(lm, work[i][0], pipeline, prefills[i], selections, i)
+            rows.append(row)
+            built.append(measured)
+            if k == last[i]:
+                del prefills[i]
+                selections = {key: v for key, v in selections.items() if key[0] != i}
         decode_rows(lm.model, rows)
-        for (i, pipeline), (_, compress_s), row, (kv_bytes, key_ratio) in zip(chunk, built, rows, measured):
-            sample, prefill = work[i][0], prefills[i]
+        for (i, pipeline), (compress_s, kv_bytes, key_ratio), row in zip(chunk, built, rows):
+            sample, (length, dense_bytes, prefill_s) = work[i][0], facts[i]
             text = lm.tokenizer.decode(row.tokens, skip_special_tokens=True)
             out[i].append(Prediction(
                 config=pipeline.label, method=pipeline.config.to_dict(), task=sample.task, id=sample.id,
-                prompt_length=prefill.prompt_length, prediction=text, tokens=row.tokens, answers=list(sample.answers),
+                prompt_length=length, prediction=text, tokens=row.tokens, answers=list(sample.answers),
                 score=score(sample.metric, text, sample.answers, **sample.metric_args), kv_bytes=kv_bytes,
-                kv_bytes_full=prefill.dense_kv_bytes(), key_ratio=key_ratio, length=sample.meta.get("length"),
-                prefill_s=prefill.seconds, compress_s=compress_s, decode_s=row.forward_s))
+                kv_bytes_full=dense_bytes, key_ratio=key_ratio, length=sample.meta.get("length"),
+                prefill_s=prefill_s, compress_s=compress_s, decode_s=row.forward_s))
     return out
 
 

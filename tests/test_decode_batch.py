@@ -98,6 +98,35 @@ def test_sweep_results_do_not_depend_on_decode_batch(tiny_lm, tmp_path, decode_b
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "many" / name).read_bytes()
 
 
+@pytest.mark.parametrize("decode_batch", [None, 2])
+def test_a_prefill_is_dropped_once_its_last_row_is_built(tiny_lm, monkeypatch, decode_batch):
+    """Several samples in one batch hold their compressed caches, not their prefills: when a sample is prefilled,
+    no earlier sample's prefill is alive (without ``full``, whose cache is the prefill's own keys and values)."""
+    import weakref
+
+    from spark_bench import runner
+    from spark_bench.benchmarks.ruler import load_ruler
+
+    samples = load_ruler(["niah_single_1", "niah_multikey_1", "niah_single_2"], 512, 1, 3, tiny_lm, max_new_tokens=3)
+    pipelines = [Pipeline.from_config(c, c.name) for c in (
+        MethodConfig(name="snapkv", budget=64), MethodConfig(name="snapkv+spark", budget=64, ratio=0.8),
+        MethodConfig(name="think", ratio=0.5))]
+    made, alive_at_call = [], []
+    prefill = runner._prefill
+
+    def tracked(lm, sample, todo):
+        alive_at_call.append(sum(ref() is not None for ref in made))
+        result = prefill(lm, sample, todo)
+        made.append(weakref.ref(result))
+        return result
+
+    monkeypatch.setattr(runner, "_prefill", tracked)
+    out = runner.run_samples(tiny_lm, [(s, pipelines) for s in samples], decode_batch)
+    assert [len(p) for p in out] == [3, 3, 3]
+    assert alive_at_call == [0, 0, 0]
+    assert all(ref() is None for ref in made)
+
+
 def test_bad_decode_batch_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "decode_batch=0",
                            f"output_root={tmp_path}"], capture_output=True, text=True, timeout=120)
