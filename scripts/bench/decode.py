@@ -6,8 +6,8 @@ measured in one run and one process.
   ``paper-shape``, every mode on the same samples; the tokens must be identical.
 * Decode tokens/s, and the share of wall time outside the model's forward passes (prefill + decode steps, attention
   included), with and without compression.
-* The most batching could give on this device: the batched run with every forward pass at the cost of a
-  weights-only step (a one-token cache) at its batch size, everything else as measured.
+* The most batching a sample's configs could give on this device: the default batched run with every forward
+  pass at the cost of a weights-only step (a one-token cache) at its batch size, everything else as measured.
 * One batched decode step over the demo's compressed caches vs the same step with a plain dense transformers
   ``DynamicCache`` holding the full prompt for every row (the reference limit), at the same batch size.
 

@@ -48,9 +48,8 @@ def decode_section(d: dict, title: str) -> list[str]:
         w = d["weights_step_ms"]
         sizes = sorted({1, *(d[name]["configs"] for name in goals)})
         lines.append("- the most batching a sample's configs could give on this device: the default batched run with "
-                     "every forward pass at the "
-                     "cost of a weights-only step (one-token cache, no prompt attention) at its batch size, "
-                     "everything else as measured: " + "; ".join(
+                     "every forward pass at the cost of a weights-only step (one-token cache, no prompt attention) at "
+                     "its batch size, everything else as measured: " + "; ".join(
                          f"{name} ≤ {d[name]['speedup_bound']}× (goal {goal}, "
                          f"{'attainable' if d[name]['speedup_bound'] >= goal else '**not attainable**'})"
                          for name, goal in goals.items())
