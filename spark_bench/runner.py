@@ -56,12 +56,13 @@ def _prefill(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> Pref
     return run_prefill(lm.model, input_ids, window, query_stats=next(iter(specs), None), ends=ends, raw_queries=raw)
 
 
-def _build_row(lm: LoadedModel, sample: Sample, pipeline: Pipeline, prefill: Prefill, selections: dict,
-               index: int) -> tuple[DecodeRow, tuple[float, int, float]]:
-    """Compress ``prefill`` under ``pipeline`` into a decode row; also (compress seconds, KV bytes, key ratio)."""
+def _build_row(lm: LoadedModel, sample: Sample, pipeline: Pipeline, prefill: Prefill,
+               selections: dict) -> tuple[DecodeRow, tuple[float, int, float]]:
+    """Compress ``prefill`` under ``pipeline`` into a decode row; also (compress seconds, KV bytes, key ratio).
+    ``selections``: the sample's token selections, per compressed prefix, shared by its configs."""
     view = prefill.at(sample.scope_end(pipeline.config.compress_scope), pipeline.config.window_q_norm)
     end = view.prompt_length
-    cache, compress_s = pipeline.build_cache(view, selections=selections.setdefault((index, id(view)), {}))
+    cache, compress_s = pipeline.build_cache(view, selections=selections.setdefault(id(view), {}))
     row = DecodeRow(cache, view.first_logits, end, sample.max_new_tokens,
                     lm.stop_token_ids | set(sample.stop_token_ids), sample.min_new_tokens,
                     suffix=tuple(sample.input_ids[end:]))
@@ -83,7 +84,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
     last = {i: k for k, (i, _) in enumerate(plan)}  # the plan index of each sample's last row
     size = decode_batch or len(plan)
     prefills: dict[int, Prefill] = {}  # sample index → its prefill, while some of its rows are still to be built
-    selections: dict = {}  # per (sample, compressed length): token selections shared by its configs
+    selections: dict = {}  # sample index → {compressed prefix: token selections shared by its configs}
     facts: dict = {}       # sample index → (prompt length, dense KV bytes, prefill seconds)
     out: list[list[Prediction]] = [[] for _ in work]
     for first in range(0, len(plan), size):
@@ -93,12 +94,11 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
             if i not in prefills:
                 prefills[i] = _prefill(lm, work[i][0], work[i][1])
                 facts[i] = (prefills[i].prompt_length, prefills[i].dense_kv_bytes(), prefills[i].seconds)
-            row, measured = _build_row(lm, work[i][0], pipeline, prefills[i], selections, i)
+            row, measured = _build_row(lm, work[i][0], pipeline, prefills[i], selections.setdefault(i, {}))
             rows.append(row)
             built.append(measured)
             if k == last[i]:
-                del prefills[i]
-                selections = {key: v for key, v in selections.items() if key[0] != i}
+                del prefills[i], selections[i]
         decode_rows(lm.model, rows)
         for (i, pipeline), (compress_s, kv_bytes, key_ratio), row in zip(chunk, built, rows):
             sample, (length, dense_bytes, prefill_s) = work[i][0], facts[i]
