@@ -1,11 +1,11 @@
+import itertools
+
 import pytest
 import torch
 
 from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods.channel.spark import SparK
 from spark_bench.methods.channel.think import ThinK
-import itertools
-
 from spark_bench.storage.bits import masked_entries, pack_bits, tensor_bytes, unpack_bits
 
 
