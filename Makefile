@@ -5,7 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-gpu bench clean table1 table2 ablation-dist ablation-variants kv-joint figure5 paper-shape protocols
+PAPER_TARGETS = table1 table2 tab_full_llama3-8b tab_full_llama3.1-8b tab_full_llama3.1-70b tab_full_qwen3-8b \
+	tab_full_qwen3-32b tab_app_full_ruler ablation-dist ablation-variants kv-joint figure5
+.PHONY: demo test test-gpu bench clean paper $(PAPER_TARGETS) paper-shape protocols
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,7 +27,8 @@ test: $(STAMP)
 
 # On a CUDA machine: the model-level tests (method matrix, batched decoding, engine, compact attention) with the tiny
 # model and its caches on the GPU (tests/conftest.py reads SPARK_BENCH_TEST_DEVICE)
-GPU_TESTS = tests/test_methods.py tests/test_decode_batch.py tests/test_engine.py tests/test_fast_attention.py tests/test_scope.py
+GPU_TESTS = tests/test_methods.py tests/test_decode_batch.py tests/test_engine.py tests/test_fast_attention.py tests/test_scope.py \
+	tests/test_stacking.py
 test-gpu: $(STAMP)
 	SPARK_BENCH_TEST_DEVICE=cuda $(BIN)/python -m pytest $(GPU_TESTS)
 
@@ -35,7 +38,9 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench/attention.py
 	$(BIN)/spark-bench-memory model=llama3.1-8b sweep=memory memory.out=results/bench/memory.json
 	$(BIN)/python scripts/bench/sweep.py
+	$(BIN)/python scripts/bench/ops.py
 	$(BIN)/python scripts/bench/decode.py
+	$(BIN)/python scripts/bench/decode.py --stacking-repeats 3 --out results/bench/decode_stacking.json
 	$(BIN)/python scripts/bench/summary.py
 
 # Paper tables: run the experiment, then its report beside the paper's numbers (the paper's tables ship inside the
@@ -52,12 +57,30 @@ table1: $(STAMP)
 	$(call experiment,table1,longbench,--paper tab_main,--ci --claims)
 table2: $(STAMP)
 	$(call experiment,table2,ruler,--paper tab_main_ruler,--ci --claims)
+# the appendix's full tables (Tables 7-11 of the appendix: LongBench per model, KV 128-2048; RULER 8K/16K at 20%/50%)
+tab_full_llama3-8b: $(STAMP)
+	$(call experiment,tab_full_llama3_8b,longbench,--paper tab_full_llama3-8b,--ci --claims)
+tab_full_llama3.1-8b: $(STAMP)
+	$(call experiment,tab_full_llama3_1_8b,longbench,--paper tab_full_llama3.1-8b,--ci --claims)
+tab_full_llama3.1-70b: $(STAMP)
+	$(call experiment,tab_full_llama3_1_70b,longbench,--paper tab_full_llama3.1-70b,--ci --claims)
+tab_full_qwen3-8b: $(STAMP)
+	$(call experiment,tab_full_qwen3_8b,longbench,--paper tab_full_qwen3-8b,--ci --claims)
+tab_full_qwen3-32b: $(STAMP)
+	$(call experiment,tab_full_qwen3_32b,longbench,--paper tab_full_qwen3-32b,--ci --claims)
+tab_app_full_ruler: $(STAMP)
+	$(call experiment,tab_app_full_ruler_8k,ruler,--paper tab_app_full_ruler@8K,--ci --claims)
+	$(call experiment,tab_app_full_ruler_16k,ruler,--paper tab_app_full_ruler@16K,--ci --claims)
+# every table of the paper (`make paper DRY_RUN=true` validates them all without loading a model)
+paper: $(PAPER_TARGETS)
 ablation-dist: $(STAMP)
-	$(call experiment,ablation_dist,longbench,)
+	$(call experiment,ablation_dist,dist,--paper tab_ab_dist,)
+	$(call experiment,ablation_dist_fork,dist,,)
 ablation-variants: $(STAMP)
-	$(call experiment,ablation_variants,longbench,)
+	$(call experiment,ablation_variants,variants,--paper tab_ab_var,)
+	$(call experiment,ablation_variants_fork,variants,,)
 kv-joint: $(STAMP)
-	$(call experiment,kv_joint,longbench,)
+	$(call experiment,kv_joint,longbench,--paper tab_app_kv_llama3-8b@LLaMA-3-8B-Instruct,)
 figure5: $(STAMP)
 	$(call experiment,figure5,longbench,,--figures)
 paper-shape: $(STAMP)

@@ -133,6 +133,8 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
     if isinstance(decode_samples, bool) or not isinstance(decode_samples, int) or decode_samples < 1:
         raise ConfigError(f"decode_samples must be a positive integer (samples whose configs decode in one batch), "
                           f"got {decode_samples!r}")
+    if not isinstance(cfg.get("decode_stack", True), bool):
+        raise ConfigError(f"decode_stack must be true or false, got {cfg.get('decode_stack')!r}")
     b = cfg.benchmark
     if b.name not in BENCHMARKS:
         raise ConfigError(f"benchmark.name={b.name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
@@ -272,7 +274,7 @@ def run_payload(cfg: DictConfig, lm, samples, configs) -> dict:
 
 PROTOCOL_KEYS = ("compress_scope", "window_size", "channel_window", "kernel_size", "pooling", "think_keep_window",
                  "pyramid_fallback", "ada_safeguard", "value_score", "value_fill", "window_q_norm",
-                 "saliency_dtype")  # what conf/protocol/*.yaml set
+                 "saliency_dtype", "budget_rounding", "group_fork_fill")  # what conf/protocol/*.yaml set
 
 
 def protocol_line(cfg: DictConfig) -> str:
@@ -288,6 +290,27 @@ def protocol_line(cfg: DictConfig) -> str:
     return f"protocol: {name or '(none)'} ({', '.join(values)})"
 
 
+def plan_lines(cfg: DictConfig, model_cfg: ModelConfig, configs: list[MethodConfig]) -> list[str]:
+    """The run's cost plan (:mod:`spark_bench.plan`): samples per task, configs, decode forwards, KV per sample and
+    hours."""
+    from spark_bench import plan
+
+    if cfg.benchmark.get("data_file"):
+        return ["plan: the samples of benchmark.data_file (export's records; no published counts to plan with)"]
+    if not model_cfg.arch:
+        return [f"plan: model {model_cfg.name} has no `arch:` block, so no memory or time estimate"]
+    if cfg.benchmark.name == "longbench":
+        work = plan.longbench_work(cfg)
+        prompt = model_cfg.longbench_max_length or model_cfg.max_length - 500
+    else:
+        work = plan.ruler_work(cfg, benchmark_tasks(cfg))
+        prompt = int(cfg.benchmark.length)
+    per_task = ", ".join(f"{w.task} {w.samples}" for w in work)
+    sources = sorted({w.source for w in work})
+    return [f"plan: samples per task ({'/'.join(sources)}): {per_task}",
+            *plan.estimate(model_cfg, configs, work, prompt).lines()]
+
+
 def run(cfg: DictConfig, out_dir: Path) -> None:
     model_cfg, configs = validate(cfg, sources=not cfg.get("dry_run"))
     if cfg.get("dry_run"):
@@ -299,6 +322,8 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
         print(f"  {protocol_line(cfg)}", flush=True)
         for line in source_lines(cfg, model_cfg):
             print(f"  source: {line}", flush=True)
+        for line in plan_lines(cfg, model_cfg, configs):
+            print(f"  {line}", flush=True)
         return
     from spark_bench.results import ResultsMismatch
     from spark_bench.runner import run_sweep
@@ -318,7 +343,8 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
     try:
         run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True), payload=payload,
                   progress=bool(cfg.get("progress", True)) and sys.stderr.isatty(),
-                  decode_batch=cfg.get("decode_batch"), decode_samples=cfg.get("decode_samples", 1))
+                  decode_batch=cfg.get("decode_batch"), decode_samples=cfg.get("decode_samples", 1),
+                  decode_stack=cfg.get("decode_stack", True))
     except ResultsMismatch as err:
         raise ConfigError(str(err)) from None
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
@@ -326,7 +352,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
           f"results in {out_dir}", flush=True)
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # repository-level conf/ (editable install)
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # the package's configs (shipped in the wheel)
 
 
 CONFIG_GROUPS = ("model", "benchmark", "method", "sweep", "experiment", "protocol")  # conf/<group>/<name>.yaml

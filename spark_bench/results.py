@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-TIMING_FIELDS = ("prefill_s", "compress_s", "decode_s")
+TIMING_FIELDS = ("prefill_s", "compress_s", "decode_s", "peak_mem_bytes")
 
 
 class ResultsMismatch(ValueError):

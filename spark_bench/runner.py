@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.metrics import score
+from spark_bench.engine.clock import peak_memory, reset_peak
 from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.engine.prefill import Prefill, run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
@@ -42,6 +43,7 @@ class Prediction:
     prefill_s: float
     compress_s: float
     decode_s: float  # this config's share of the batched decode forwards (wall time / rows in the batch, per step)
+    peak_mem_bytes: int  # peak memory of its decode batch (CUDA: max allocated; CPU: the process's peak RSS so far)
 
 
 def _prefill(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> Prefill:
@@ -72,14 +74,16 @@ def _build_row(lm: LoadedModel, sample: Sample, pipeline: Pipeline, prefill: Pre
 
 
 def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
-                decode_batch: int | None = None) -> list[list[Prediction]]:
+                decode_batch: int | None = None, decode_stack: bool = True) -> list[list[Prediction]]:
     """Prefill each sample once, compress it under each of its pipelines and decode all the compressed caches
     together — ``decode_batch`` rows per batch (None: every row of ``work`` in one batch; 1: one at a time) — then
     score. One list of predictions per sample, in pipeline order; the tokens do not depend on the batching.
 
     A sample is prefilled when its first row is built and its prefill is dropped once its last row is built, so
     joining several samples in one batch holds their compressed caches, not their prefills (a ``full`` row's cache
-    is the prefill's own keys and values)."""
+    is the prefill's own keys and values). Once a batch is formed its stacks hold what decoding reads, and the rows'
+    own caches are dropped (``decode_rows(release=True)``). ``decode_stack``: stack rows of the kinds a compact
+    kernel serves (:class:`~spark_bench.engine.cache.BatchedLayer`); the tokens do not depend on it."""
     plan = [(i, pipeline) for i, (_, pipelines) in enumerate(work) for pipeline in pipelines]
     last = {i: k for k, (i, _) in enumerate(plan)}  # the plan index of each sample's last row
     size = decode_batch or len(plan)
@@ -90,6 +94,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
     for first in range(0, len(plan), size):
         chunk = plan[first:first + size]
         rows, built = [], []
+        reset_peak(lm.device)
         for k, (i, pipeline) in enumerate(chunk, first):
             if i not in prefills:
                 prefills[i] = _prefill(lm, work[i][0], work[i][1])
@@ -99,7 +104,8 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
             built.append(measured)
             if k == last[i]:
                 del prefills[i], selections[i]
-        decode_rows(lm.model, rows)
+        decode_rows(lm.model, rows, stack=decode_stack, release=True)
+        peak = peak_memory(lm.device)
         for (i, pipeline), (compress_s, kv_bytes, key_ratio), row in zip(chunk, built, rows):
             sample, (length, dense_bytes, prefill_s) = work[i][0], facts[i]
             text = lm.tokenizer.decode(row.tokens, skip_special_tokens=True)
@@ -108,7 +114,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                 prompt_length=length, prediction=text, tokens=row.tokens, answers=list(sample.answers),
                 score=score(sample.metric, text, sample.answers, **sample.metric_args), kv_bytes=kv_bytes,
                 kv_bytes_full=dense_bytes, key_ratio=key_ratio, length=sample.meta.get("length"),
-                prefill_s=prefill_s, compress_s=compress_s, decode_s=row.forward_s))
+                prefill_s=prefill_s, compress_s=compress_s, decode_s=row.forward_s, peak_mem_bytes=peak))
     return out
 
 
@@ -123,7 +129,7 @@ def default_payload(lm: LoadedModel, samples: list[Sample], configs: list[Method
 
 def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig], out_dir: Path,
               log=print, payload: dict | None = None, progress: bool = False,
-              decode_batch: int | None = None, decode_samples: int = 1) -> pd.DataFrame:
+              decode_batch: int | None = None, decode_samples: int = 1, decode_stack: bool = True) -> pd.DataFrame:
     """Run every config on every sample into ``out_dir`` (``predictions.jsonl``, ``timings.jsonl``, ``scores.csv``,
     ``table.md``). Finished (sample, config) pairs already in ``out_dir`` are kept, not recomputed.
     ``decode_samples`` samples at a time decode their method configs together, ``decode_batch`` rows per batch
@@ -149,7 +155,7 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
                disable=not progress, dynamic_ncols=True)
     new_tokens, decode_seconds = 0, 0.0
     for group in (work[i:i + decode_samples] for i in range(0, len(work), decode_samples)):
-        for sample_records in run_samples(lm, group, decode_batch):
+        for sample_records in run_samples(lm, group, decode_batch, decode_stack):
             records = [p.__dict__ for p in sample_records]
             results.append(records)  # one durable append per sample
             for r in records:

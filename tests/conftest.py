@@ -7,10 +7,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# Triton's interpreter runs its kernels on CPU tensors; it is chosen when triton is first imported (transformers may
+# import it), so it is set before anything else. On a GPU run (make test-gpu) the kernels compile for the device.
+if os.environ.get("SPARK_BENCH_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from spark_bench.cli import CONF_DIR
 from spark_bench.engine.prefill import QueryStatsSpec, run_prefill
 from spark_bench.models import ModelConfig, load_model
 
@@ -19,7 +25,7 @@ DEVICE = torch.device(os.environ.get("SPARK_BENCH_TEST_DEVICE", "cpu"))
 
 
 def model_config(name: str) -> ModelConfig:
-    return ModelConfig.from_dict(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")))
+    return ModelConfig.from_dict(OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")))
 
 
 @pytest.fixture(scope="session")

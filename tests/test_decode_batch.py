@@ -147,13 +147,21 @@ def _spark_store(**options):
 
 
 def test_dispatch_decision_by_device_and_store():
+    """CPU tensors → the C++ kernel; CUDA tensors → Triton when importable, else no compact kernel (rows are not
+    stacked and a lone store rebuilds its keys); other devices → none. Decided without a GPU."""
+    from spark_bench.storage.segments import compact_backend
+
+    kernel = fast_logits.load_kernel()
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert compact_backend(cpu, cpp_kernel=kernel) == "cpp"
+    assert compact_backend(cpu, cpp_kernel="kernel unavailable (no compiler)") == "no: kernel unavailable (no compiler)"
+    assert compact_backend(cuda, triton_ready=True) == "triton"
+    assert compact_backend(cuda, triton_ready=False).startswith("no: triton is not installed")
+    assert compact_backend(torch.device("meta")).startswith("no: no compact kernel for meta tensors")
     store = _spark_store()
-    assert fast_logits.kernel_blocker(store, torch.device("cpu"), 3) is None
-    cuda = fast_logits.kernel_blocker(store, torch.device("cuda", 0), 3)
-    assert cuda.startswith("cuda tensors: the C++ kernel runs on the CPU only")
-    assert "different numbers of channels" in fast_logits.kernel_blocker(_spark_store(variant="top_p"),
-                                                                         torch.device("cpu"), 3)
-    assert fast_logits.kernel_blocker(store, torch.device("cpu"), 9) is None  # chunked, see below
+    assert fast_logits.kernel_blocker(store, cpu) is None
+    assert "different numbers of channels" in fast_logits.kernel_blocker(_spark_store(variant="top_p"), cpu)
+    assert "draws a random score" in fast_logits.kernel_blocker(_spark_store(recovery="gaussian"), cpu)
 
 
 def test_more_query_rows_than_the_kernel_takes_go_in_chunks():
@@ -175,7 +183,7 @@ def test_non_cpu_queries_never_reach_the_kernel(monkeypatch):
 
     monkeypatch.setattr(fast_logits, "load_kernel", no_kernel)
     queries = torch.empty(1, 2, 3, 64, device="meta")
-    with pytest.warns(UserWarning, match="meta tensors: the C\\+\\+ kernel runs on the CPU only"):
+    with pytest.warns(UserWarning, match="no compact kernel for meta tensors"):
         out = fast_logits.compact_logits(store, queries, lambda q: "reference path")
     assert out == "reference path"
 

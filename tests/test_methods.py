@@ -22,7 +22,8 @@ from spark_bench.methods.pipeline import kept_key_fraction
 # option sets per channel method: every recovery, every variant, value pruning, both saliency modes
 SPARK_OPTIONS = (
     [dict(ratio=r) for r in (0.5, 0.8)]
-    + [dict(ratio=0.8, recovery=rec) for rec in ("gaussian", "exponential", "zero", "constant", "none")]
+    + [dict(ratio=0.8, recovery=rec) for rec in ("gaussian", "exponential", "zero", "constant", "none", "fork_pool0")]
+    + [dict(variant="group_fork", group_fork_fill=fill) for fill in ("zero", "recovery")]
     + [dict(variant="top_p", top_p=0.9), dict(variant="group", groups=4), dict(variant="group", groups=5)]
     + [dict(ratio=0.5, value_ratio=0.3), dict(ratio=0.8, saliency="paper", recovery="gaussian"),
        dict(ratio=0.8, recovery="exponential", recovery_stats="all")]

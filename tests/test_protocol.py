@@ -58,7 +58,8 @@ def test_a_sweep_entry_names_its_own_protocol():
     assert {c.name for c in factory} == {"full", "snapkv", "snapkv+think", "snapkv+spark"}
     labels = sweep_labels(configs)
     assert len(set(labels)) == len(labels)
-    assert "SnapKV @0.3 [compress_scope=prompt, window_size=32, kernel_size=7, pooling=max, window_q_norm=true]" in labels
+    assert ("SnapKV @0.3 [compress_scope=prompt, budget_rounding=exact, window_size=32, kernel_size=7, pooling=max, "
+            "window_q_norm=true]") in labels
     cfg.sweep.configs = [{"name": "snapkv", "protocol": "nope"}]
     with pytest.raises(ConfigError, match=r"sweep.configs\[0\]: protocol 'nope': no such protocol config .*valid: "
                                           r"kvcache_factory, official, paper"):

@@ -152,3 +152,44 @@ def test_task_scores_are_averaged_as_printed():
     rows, columns, cells = table(frame, RULER)
     assert cells[("", "Vanilla", "Vanilla", "Avg.")] == (33.33 + 66.67) / 2  # rounded task scores, then the mean
     assert "33.333333" in to_csv(frame, RULER)  # the CSV keeps full precision
+
+
+LATEX_COMMANDS = {"begin", "end", "toprule", "midrule", "bottomrule", "multicolumn", "textbf", "textit", "pm",
+                  "textbackslash", "textasciitilde", "textasciicircum"}
+
+
+def assert_strict_latex(source: str, columns: int) -> None:
+    """No LaTeX engine runs in CI (a TeX distribution is hundreds of MB per run), so the generated source is held to
+    what would compile: only known commands, escaped specials, balanced braces, math only in ``$\\pm$``, and
+    every row with ``columns`` cells."""
+    import re
+
+    for line in source.splitlines():
+        rest = line.replace(r"$\pm$", "")
+        assert "$" not in rest.replace(r"\$", ""), line
+        for command in re.findall(r"\\([A-Za-z]+)", rest):
+            assert command in LATEX_COMMANDS, (command, line)
+        bare = re.sub(r"\\[A-Za-z]+|\\[\\&%$#_{}]", "", rest)  # drop commands, escaped specials and \\ row ends
+        assert not re.search(r"[%#_^~\\]", bare), line
+        depth = 0
+        for ch in re.sub(r"\\[{}]", "", rest):
+            depth += {"{": 1, "}": -1}.get(ch, 0)
+            assert depth >= 0, line
+        assert depth == 0, line
+        if rest.endswith(r"\\") and "multicolumn" not in rest:
+            assert len(re.findall(r"(?<!\\)&", rest)) == columns, line
+
+
+def test_latex_escapes_every_special_character(run_dir):
+    from spark_bench.report.render import latex_escape
+
+    assert latex_escape(r"a_b 50% #1 $x$ {y} ~^ & \z") == (r"a\_b 50\% \#1 \$x\$ \{y\} \textasciitilde{}"
+                                                          r"\textasciicircum{} \& \textbackslash{}z")
+    frame = read_runs([run_dir], RULER)
+    nasty = r"+SparK (0.8) [window_size=32, budget_rounding=official] #1 ~^{&}$\ 50%"
+    frame.loc[frame.method == frame.method.iloc[-1], "method"] = nasty
+    frame.loc[frame.block != "", "block"] = "KV 50% & 20_x"
+    source = to_latex(frame, RULER)
+    columns = source.splitlines()[2].count(" & ")
+    assert_strict_latex(source, columns)
+    assert latex_escape(nasty) in source

@@ -73,7 +73,8 @@ def test_user_command_resolves_exactly_as_written():
     (only,) = method_configs(cfg)
     official = dict(compress_scope="question", window_size=64, channel_window=32, kernel_size=5, pooling="avg",
                     think_keep_window=False, pyramid_fallback="kvpress", ada_safeguard="spark_fork", value_score="fork",
-                    value_fill="mean", window_q_norm=False, saliency_dtype="model")  # the default protocol
+                    value_fill="mean", window_q_norm=False, saliency_dtype="model", budget_rounding="official",
+                    group_fork_fill="zero")  # the default protocol
     assert only == MethodConfig(name="snapkv+spark", ratio=0.8, budget=0.2, **official)
 
 

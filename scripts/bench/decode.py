@@ -12,7 +12,7 @@ measured in one run and one process.
   ``DynamicCache`` holding the full prompt for every row (the reference limit), at the same batch size.
 
 Writes ``results/bench/decode.json``. ``--model``/``--device`` measure another model config (a name under
-``conf/model`` or a YAML path) on another device, e.g. a random SmolLM2-shaped model on a GPU (``--out`` elsewhere).
+``spark_bench/conf/model`` or a YAML path) on another device, e.g. a random SmolLM2-shaped model on a GPU (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from spark_bench.benchmarks.ruler import load_ruler
+from spark_bench.cli import CONF_DIR
 from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.engine.prefill import run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
@@ -50,7 +51,7 @@ FOURTEEN = [dict(name="full"), dict(name="snapkv", budget=0.2), dict(name="snapk
 def sweep_configs(name: str) -> list[MethodConfig]:
     if name == "fourteen":
         return [MethodConfig(**entry) for entry in FOURTEEN]
-    entries = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "sweep" / f"{name}.yaml"))["configs"]
+    entries = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "sweep" / f"{name}.yaml"))["configs"]
     return [MethodConfig(**entry) for entry in entries]
 
 
@@ -60,11 +61,12 @@ def forwards(tokens: list[int], max_new_tokens: int) -> int:
     return len(tokens) if len(tokens) < max_new_tokens else len(tokens) - 1
 
 
-def timed_sweep(lm, samples, configs, out: Path, decode_batch, decode_samples: int = 1) -> dict:
+def timed_sweep(lm, samples, configs, out: Path, decode_batch, decode_samples: int = 1,
+                decode_stack: bool = True) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # fresh: an existing results dir would resume and compute nothing
     start = time.perf_counter()
     preds = run_sweep(lm, samples, configs, out, log=lambda m: None, decode_batch=decode_batch,
-                      decode_samples=decode_samples)
+                      decode_samples=decode_samples, decode_stack=decode_stack)
     wall = time.perf_counter() - start
     prefill = float(preds.groupby("id").prefill_s.first().sum())
     decode, compress = float(preds.decode_s.sum()), float(preds.compress_s.sum())
@@ -117,12 +119,15 @@ def compare(lm, samples, configs, scratch: Path, name: str, step_ms: dict[int, f
     forward passes at the weights-only floor (attention free)."""
     one = timed_sweep(lm, samples, configs, scratch / f"{name}_1", 1)
     batched = timed_sweep(lm, samples, configs, scratch / f"{name}_all", None)
+    per_row = timed_sweep(lm, samples, configs, scratch / f"{name}_per_row", None, decode_stack=False)
     joined = timed_sweep(lm, samples, configs, scratch / f"{name}_joined", None, decode_samples=len(samples))
-    same = one.pop("tokens") == batched.pop("tokens") == joined.pop("tokens")
+    same = one.pop("tokens") == batched.pop("tokens") == joined.pop("tokens") == per_row.pop("tokens")
     batched["weights_floor_s"] = round(weights_floor_s(batched["row_forwards"], step_ms), 2)
     bound = one["wall_s"] / (batched["wall_s"] - batched["decode_forward_s"] + batched["weights_floor_s"])
     return {"configs": len(configs), "samples": len(samples), "decode_batch_1": one, "batched": batched,
-            "batched_all_samples": joined, "speedup": round(one["wall_s"] / batched["wall_s"], 2),
+            "batched_per_row": per_row, "batched_all_samples": joined,
+            "stacking_speedup": round(per_row["wall_s"] / batched["wall_s"], 3),
+            "stacking_decode_speedup": round(per_row["decode_forward_s"] / batched["decode_forward_s"], 3), "speedup": round(one["wall_s"] / batched["wall_s"], 2),
             "speedup_all_samples": round(one["wall_s"] / joined["wall_s"], 2),
             "decode_speedup": round(one["decode_forward_s"] / batched["decode_forward_s"], 2),
             "speedup_bound": round(bound, 2), "identical_tokens": same}
@@ -130,21 +135,23 @@ def compare(lm, samples, configs, scratch: Path, name: str, step_ms: dict[int, f
 
 @torch.inference_mode()
 def step_ms(lm, sample, configs, steps: int, repeats: int) -> dict:
-    """Median ms of one decode step for all ``configs`` batched, and for a dense DynamicCache batch of that size."""
+    """Median ms of one decode step for all ``configs`` batched (stacked, and the per-row path), and for a dense
+    DynamicCache batch of that size."""
     model = lm.model
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     prefill = run_prefill(model, torch.tensor([sample.input_ids], device=device), 32)
-    per_step = []
+    per_step, per_row = [], []
     for _ in range(repeats):
-        selections = {}
-        rows = [DecodeRow(Pipeline.from_config(c).build_cache(prefill, selections=selections)[0],
-                          prefill.first_logits, prefill.prompt_length, steps + 1, frozenset()) for c in configs]
-        sync()
-        start = time.perf_counter()
-        decode_rows(model, rows)
-        sync()
-        per_step.append((time.perf_counter() - start) / steps)
+        for stack, times in ((True, per_step), (False, per_row)):
+            selections = {}
+            rows = [DecodeRow(Pipeline.from_config(c).build_cache(prefill, selections=selections)[0],
+                              prefill.first_logits, prefill.prompt_length, steps + 1, frozenset()) for c in configs]
+            sync()
+            start = time.perf_counter()
+            decode_rows(model, rows, stack=stack)
+            sync()
+            times.append((time.perf_counter() - start) / steps)
     r = len(configs)
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.tensor([sample.input_ids], device=device), past_key_values=cache, use_cache=True,
@@ -162,8 +169,29 @@ def step_ms(lm, sample, configs, steps: int, repeats: int) -> dict:
         sync()
         dense.append(time.perf_counter() - start)
     compressed, dense_ms = 1000 * statistics.median(per_step), 1000 * statistics.median(dense)
+    unstacked = 1000 * statistics.median(per_row)
     return {"batch": r, "prompt_tokens": prefill.prompt_length, "compressed_step_ms": round(compressed, 1),
-            "dense_dynamic_cache_step_ms": round(dense_ms, 1), "ratio": round(compressed / dense_ms, 3)}
+            "per_row_step_ms": round(unstacked, 1), "dense_dynamic_cache_step_ms": round(dense_ms, 1),
+            "ratio": round(compressed / dense_ms, 3), "ratio_per_row": round(unstacked / dense_ms, 3)}
+
+
+def stacking_repeats(lm, samples, configs, scratch: Path, name: str, repeats: int) -> dict:
+    """Stacked rows (the default) against the per-row path (``decode_stack=false``), alternating ``repeats`` times in
+    one process on the same samples: the median wall and decode-forward seconds of each and their ratio (per-row /
+    stacked, > 1 = stacking is faster)."""
+    walls = {"stacked": [], "per_row": []}
+    forwards = {"stacked": [], "per_row": []}
+    for i in range(repeats):
+        for key, stack in (("per_row", False), ("stacked", True)) if i % 2 else (("stacked", True), ("per_row", False)):
+            r = timed_sweep(lm, samples, configs, scratch / f"{name}_{key}_{i}", None, decode_stack=stack)
+            walls[key].append(r["wall_s"])
+            forwards[key].append(r["decode_forward_s"])
+    med = {k: statistics.median(v) for k, v in walls.items()}
+    med_f = {k: statistics.median(v) for k, v in forwards.items()}
+    return {"configs": len(configs), "samples": len(samples), "repeats": repeats, "wall_s": walls,
+            "decode_forward_s": forwards, "median_wall_s": med, "median_decode_forward_s": med_f,
+            "speedup": round(med["per_row"] / med["stacked"], 3),
+            "decode_speedup": round(med_f["per_row"] / med_f["stacked"], 3)}
 
 
 def main() -> None:
@@ -172,19 +200,29 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1, help="samples per needle task (8 tasks)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=Path("results/bench/decode.json"))
-    parser.add_argument("--model", default="smollm2-135m", help="a name under conf/model, or a model YAML path")
+    parser.add_argument("--model", default="smollm2-135m", help="a name under spark_bench/conf/model, or a model YAML path")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sweeps", default="demo,fourteen", help="comma-separated: demo, fourteen")
     parser.add_argument("--steps-only", action="store_true", help="only (re)measure the single-step comparison")
+    parser.add_argument("--stacking-repeats", type=int, default=0,
+                        help="only compare stacked rows with the per-row path, alternating this many times per sweep")
     args = parser.parse_args()
     sweeps = args.sweeps.split(",")
     if not set(sweeps) <= {"demo", "fourteen"}:
         parser.error(f"--sweeps {args.sweeps}: valid names are demo, fourteen")
-    model_file = Path(args.model) if args.model.endswith(".yaml") else ROOT / "conf" / "model" / f"{args.model}.yaml"
+    model_file = Path(args.model) if args.model.endswith(".yaml") else CONF_DIR / "model" / f"{args.model}.yaml"
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(OmegaConf.load(model_file)))
     lm = load_model(model_cfg, args.device)
     samples = load_ruler(NEEDLES, args.length, args.samples, 42, lm, args.max_new_tokens)
     scratch = args.out.parent / "decode_runs"
+    if args.stacking_repeats:
+        result = {"model": model_cfg.name, "length": args.length, "max_new_tokens": args.max_new_tokens,
+                  "threads": torch.get_num_threads(), **{name: stacking_repeats(
+                      lm, samples, sweep_configs(name), scratch, name, args.stacking_repeats) for name in sweeps}}
+        shutil.rmtree(scratch, ignore_errors=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1))
+        return
     if args.steps_only:
         result = json.loads(args.out.read_text())
     else:

@@ -55,10 +55,20 @@ def decode_section(d: dict, title: str) -> list[str]:
                          for name, goal in goals.items())
                      + ". Weights-only step: " + ", ".join(f"batch {r} {w[str(r)]} ms" for r in sizes))
     for name in goals:
+        if "stacking_speedup" in d[name]:
+            r = d[name]
+            lines.append(f"- {name}: stacked rows (default) vs the per-row path (`decode_stack=false`), same run: wall "
+                         f"{r['batched_per_row']['wall_s']} → {r['batched']['wall_s']} s (**{r['stacking_speedup']}×**"
+                         f", goal ≥ 1: {verdict(r['stacking_speedup'] >= 1)}), decode forwards "
+                         f"{r['batched_per_row']['decode_forward_s']} → {r['batched']['decode_forward_s']} s "
+                         f"({r['stacking_decode_speedup']}×)")
+    for name in goals:
         st = d[f"step_{name}"]
         lines.append(f"- one batched step, {st['batch']} rows, {st['prompt_tokens']}-token prompt: compressed "
                      f"caches {st['compressed_step_ms']} ms vs dense DynamicCache {st['dense_dynamic_cache_step_ms']}"
-                     f" ms → {st['ratio']}× (goal ≤ 1.2, {verdict(st['ratio'] <= 1.2)})")
+                     f" ms → {st['ratio']}× (goal ≤ 1.2, {verdict(st['ratio'] <= 1.2)})"
+                     + (f"; the per-row path {st['per_row_step_ms']} ms ({st['ratio_per_row']}×)"
+                        if "per_row_step_ms" in st else ""))
     lines.append("- harness share goal < 5%: " + ", ".join(
         f"{name} {verdict(d[name]['batched']['harness_share'] < 0.05)}" for name in goals)
         + " (prefill and the decode forwards, attention included, count as model time; compression counts as "
@@ -107,11 +117,38 @@ def main() -> None:
                   f"(goal < 5%, {verdict(s['harness_overhead_share'] < 0.05)}); without compression "
                   f"{100 * s['harness_overhead_share_excl_compress']:.1f}%; compression {s['compress_s']} s of "
                   f"{s['shared_sweep_s']} s."]
+    o = load("ops")
+    if o:
+        lines += ["", "## Operations dispatched per decode step (the GPU kernel-launch proxy, `scripts/bench/ops.py`)",
+                  "", f"{o['model']}, every config of a sample in one batch vs a dense `DynamicCache` batch of the "
+                  "same size (aten ops per step, counted with `TorchDispatchMode`; views included).", "",
+                  "| mix | rows | stacked (default) | per-row path (`decode_stack=false`) | dense batch | stacked / dense "
+                  "(goal ≤ 1.3) | per-row / dense |", "|---|---|---|---|---|---|---|"]
+        for name in ("demo", "fourteen"):
+            m = o[name]
+            lines.append(f"| {name} | {m['rows']} | {m['stacked']['ops_per_step']:.0f} | "
+                         f"{m['per_row']['ops_per_step']:.0f} | {m['dense']['ops_per_step']:.0f} | {m['ratio']} "
+                         f"({verdict(m['ratio'] <= 1.3)}) | {m['ratio_per_row']} |")
     for name, title in (("decode", "CPU, the embedded model"),
                         ("decode_h100", "GPU, `scripts/bench/decode.py --device cuda`")):
         d = load(name)
         if d:
             lines += decode_section(d, title)
+    st = load("decode_stacking")
+    if st:
+        lines += ["", "## Stacked rows vs the per-row path on this CPU, repeated "
+                  "(`scripts/bench/decode.py --stacking-repeats`)", "",
+                  f"{st['model']}, RULER needles at {st['length']} tokens, the sweeps of the table above, the two paths "
+                  "alternating in one process; medians (per-row / stacked > 1: stacking is faster).", "",
+                  "| sweep | repeats | wall per-row → stacked (s, medians) | speedup | decode forwards (s) | "
+                  "speedup |", "|---|---|---|---|---|---|"]
+        for name in ("demo", "fourteen"):
+            if name in st:
+                r = st[name]
+                lines.append(f"| {name} | {r['repeats']} | {r['median_wall_s']['per_row']} → "
+                             f"{r['median_wall_s']['stacked']} | **{r['speedup']}×** ({verdict(r['speedup'] >= 1)}) | "
+                             f"{r['median_decode_forward_s']['per_row']} → {r['median_decode_forward_s']['stacked']} | "
+                             f"{r['decode_speedup']}× |")
     m = load("memory")
     if m:
         lines += ["", "## Memory planner (LLaMA-3.1-8B, 80 GiB, 8192 + 128 tokens)", "",

@@ -31,6 +31,19 @@ def pick(logits: torch.Tensor, banned: frozenset[int] | set[int] = frozenset()) 
     return int(logits.argmax())
 
 
+def choose_all(logits: torch.Tensor, rows: list["DecodeRow"]) -> tuple[torch.Tensor, list[int]]:
+    """Greedy choice of every row at once on the logits' device: ``logits (R, V)`` → the chosen ids ``(R,)`` (left
+    on the device, the next step's input) and the same ids on the host, read in one transfer per step. A row still
+    short of its ``min_new_tokens`` never picks one of its stop tokens (its stop ids get −inf first)."""
+    banned = [(j, t) for j, row in enumerate(rows) if len(row.tokens) < row.min_new_tokens
+              for t in row.stop_token_ids]
+    if banned:
+        index = torch.tensor(banned, device=logits.device).T
+        logits = logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
+    ids = logits.argmax(dim=-1)
+    return ids, ids.tolist()
+
+
 @dataclass
 class DecodeRow:
     """One sequence to continue: its compressed cache, the logits of its next token (or a ``suffix`` of tokens to run
@@ -67,69 +80,93 @@ def _step_rows(rows: list[DecodeRow], pending: list[int]) -> list[int]:
     return going
 
 
-def _forward(model: nn.Module, rows: list[DecodeRow], live: list[int], cache: BatchedCache, ids: list[list[int]],
-             first_position: list[int]) -> list[int]:
-    """One forward of ``ids`` (one list per live row, equal lengths) through the batch; each live row's choice."""
-    device = next(model.parameters()).device
+def _input_device(model: nn.Module) -> torch.device:
+    """Where the model takes its input ids: its input embeddings' device (with a device map, the first layer's)."""
+    return model.get_input_embeddings().weight.device
+
+
+def _forward(model: nn.Module, rows: list[DecodeRow], live: list[int], cache: BatchedCache, ids: torch.Tensor,
+             positions: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """One forward of ``ids (R, n)`` at ``positions (R, n)`` (device tensors, one row per live row) through the
+    batch; each live row's choice, on the device and on the host. The one host read at the end also makes the
+    timing true on an asynchronous device."""
     start = time.perf_counter()
-    out = model(
-        input_ids=torch.tensor(ids, device=device),
-        position_ids=torch.tensor([[p + k for k in range(len(ids[0]))] for p in first_position], device=device),
-        past_key_values=cache,
-        compressed_cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    logits = out.logits[:, -1].float()
-    pending = [rows[i].choose(logits[j]) for j, i in enumerate(live)]
+    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, compressed_cache=cache,
+                use_cache=True, logits_to_keep=1)
+    chosen, host = choose_all(out.logits[:, -1].float(), [rows[i] for i in live])
     elapsed = time.perf_counter() - start
     for i in live:
         rows[i].forward_s += elapsed / len(live)
-    return pending
+    return chosen, host
 
 
 @torch.inference_mode()
-def decode_rows(model: nn.Module, rows: list[DecodeRow]) -> list[DecodeRow]:
+def decode_rows(model: nn.Module, rows: list[DecodeRow], stack: bool = True,
+                release: bool = False) -> list[DecodeRow]:
     """Greedy-decode every row together (one forward per step over the rows still generating; rows with suffixes
     of different lengths decode in separate batches); fills ``row.tokens`` and ``row.forward_s``. Attention reads
-    each row's compressed stores (:mod:`spark_bench.engine.attention`)."""
+    each row's compressed stores (:mod:`spark_bench.engine.attention`); ``stack`` (``decode_stack``) lets rows of
+    kinds a compact kernel serves share one kernel call per layer (:class:`~spark_bench.engine.cache.BatchedLayer`).
+    ``release``: the batch consumes each row's own cache layer by layer while it is built and the rows drop it (the
+    batch's stacks hold what decoding reads), so decoding never holds the compressed caches twice."""
     by_suffix: dict[int, list[DecodeRow]] = {}
     for row in rows:
         if not row.suffix and row.first_logits is None:
             raise ValueError("a decode row needs first_logits or a suffix to run through its cache")
         by_suffix.setdefault(len(row.suffix), []).append(row)
     for group in by_suffix.values():
-        _decode_batch(model, group)
+        order = BatchedCache.order([row.cache for row in group], stack)
+        _decode_batch(model, [group[i] for i in order], stack, release)
     return rows
 
 
-def _decode_batch(model: nn.Module, rows: list[DecodeRow]) -> None:
+def _decode_batch(model: nn.Module, rows: list[DecodeRow], stack: bool, release: bool) -> None:
     n = len(rows[0].suffix)
+    device = _input_device(model)
     live = list(range(len(rows)))
     cache = None
     if n:
-        cache = BatchedCache([row.cache for row in rows], capacity=n + max(row.max_new_tokens for row in rows))
+        cache = BatchedCache([row.cache for row in rows], n + max(row.max_new_tokens for row in rows), stack,
+                             consume=release)
+        if release:
+            for row in rows:
+                row.cache = None
+        ids = torch.tensor([list(row.suffix) for row in rows], device=device)
+        positions = torch.tensor([[row.position + k for k in range(n)] for row in rows], device=device)
         with compressed_attention_enabled(model):
-            first = _forward(model, rows, live, cache, [list(row.suffix) for row in rows],
-                             [row.position for row in rows])
+            chosen, first = _forward(model, rows, live, cache, ids, positions)
     else:
-        first = [row.choose(row.first_logits) for row in rows]
-    live = _step_rows(rows, first)
-    if not live:
+        logits = torch.stack([row.first_logits.reshape(-1) for row in rows]).float()
+        chosen, first = choose_all(logits, rows)
+    going = _step_rows(rows, first)
+    if not going:
         return
     if cache is None:
-        cache = BatchedCache([rows[i].cache for i in live], capacity=max(rows[i].max_new_tokens for i in live))
-    elif len(live) < len(rows):
-        cache.keep(live)
+        cache = BatchedCache([rows[i].cache for i in going], max(rows[i].max_new_tokens for i in going), stack,
+                             consume=release)
+        if release:
+            for row in rows:
+                row.cache = None
+    elif len(going) < len(rows):
+        cache.keep(going)
+    live = going
+    chosen = chosen.to(device)
+    index = None if len(going) == len(rows) else torch.tensor(going, device=chosen.device)
+    ids = (chosen if index is None else chosen.index_select(0, index)).unsqueeze(-1)
+    positions = torch.tensor([[rows[i].position + n + len(rows[i].tokens) - 1] for i in live], device=device)
     with compressed_attention_enabled(model):
         while live:
-            pending = _forward(model, rows, live, cache, [[rows[i].tokens[-1]] for i in live],
-                               [rows[i].position + n + len(rows[i].tokens) - 1 for i in live])
+            chosen, pending = _forward(model, rows, live, cache, ids, positions)
             going = _step_rows([rows[i] for i in live], pending)
             if len(going) < len(live):
-                if going:
-                    cache.keep(going)
+                if not going:
+                    break
+                cache.keep(going)
+                index = torch.tensor(going, device=chosen.device)
+                chosen, positions = chosen.index_select(0, index), positions.index_select(0, index)
                 live = [live[j] for j in going]
+            ids = chosen.unsqueeze(-1)
+            positions = positions + 1
 
 
 def greedy_decode(model: nn.Module, cache: CompressedCache, first_logits: torch.Tensor, prompt_length: int,

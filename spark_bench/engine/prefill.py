@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from spark_bench.engine.clock import synchronize
+
 
 @dataclass(frozen=True)
 class LayerPrefill:
@@ -231,5 +233,6 @@ def run_prefill(model: nn.Module, input_ids: torch.Tensor, window: int,
     )
     keys = [(end, True) for end in ends] + ([(end, False) for end in (*ends, length)] if raw else [])
     prefixes = {key: tuple(queries[(*key, i)] for i in range(len(layers))) for key in keys}
+    synchronize(first_logits.device)  # the prefill's device time, not its launch time
     return Prefill(layers=layers, prompt_length=length, first_logits=first_logits,
                    seconds=time.perf_counter() - start, prefixes=prefixes, has_q_norm=normed)

@@ -6,40 +6,46 @@ import itertools
 import time
 from dataclasses import asdict, dataclass, fields
 
+from spark_bench.engine.clock import synchronize
 from spark_bench.engine.cache import CompressedCache, StoredLayer
 from spark_bench.engine.prefill import LayerPrefill, Prefill, QueryStatsSpec
 from spark_bench.methods.base import ChannelMethod, EvictionMethod, gather_tokens
 from spark_bench.methods.channel.recovery import RECOVERY_MODES, STATS
-from spark_bench.methods.channel.spark import GROUP_RATIOS, SALIENCY_DTYPES, SALIENCY_MODES, VARIANTS, SparK
+from spark_bench.methods.channel.spark import (
+    GROUP_FORK_FILLS, GROUP_RATIOS, SALIENCY_DTYPES, SALIENCY_MODES, VARIANTS, SparK,
+)
 from spark_bench.methods.channel.think import ThinK
 from spark_bench.methods.channel.value_norm import VALUE_FILLS, VALUE_SCORES, ValueNorm
 from spark_bench.methods.eviction.adasnapkv import SAFEGUARDS, AdaSnapKV
 from spark_bench.methods.eviction.expected_attention import ExpectedAttention
 from spark_bench.methods.eviction.pyramidkv import FALLBACKS, PyramidKV
-from spark_bench.methods.eviction.snapkv import SnapKV
+from spark_bench.methods.eviction.snapkv import BUDGET_ROUNDINGS, SnapKV
 from spark_bench.methods.eviction.streamingllm import StreamingLLM
 from spark_bench.methods.eviction.tova import TOVA
 from spark_bench.storage.stores import DenseStore
 
 
 def _snapkv_args(c: "MethodConfig") -> dict:
-    return dict(budget=c.budget, window_size=c.window_size, kernel_size=c.kernel_size, pooling=c.pooling)
+    return dict(budget=c.budget, window_size=c.window_size, kernel_size=c.kernel_size, pooling=c.pooling,
+                rounding=c.budget_rounding)
 
 
 # method name → builder from a MethodConfig (one entry per method module)
 EVICTION_METHODS = {
-    "streamingllm": lambda c: StreamingLLM(budget=c.budget, n_sink=c.n_sink),
+    "streamingllm": lambda c: StreamingLLM(budget=c.budget, n_sink=c.n_sink, rounding=c.budget_rounding),
     "snapkv": lambda c: SnapKV(**_snapkv_args(c)),
     "pyramidkv": lambda c: PyramidKV(**_snapkv_args(c), beta=c.beta, fallback=c.pyramid_fallback),
     "adasnapkv": lambda c: AdaSnapKV(**_snapkv_args(c), alpha_safeguard=c.alpha_safeguard,
                                      safeguard=c.ada_safeguard),
-    "tova": lambda c: TOVA(budget=c.budget),
-    "expected_attention": lambda c: ExpectedAttention(budget=c.budget, n_sink=c.n_sink),
+    "tova": lambda c: TOVA(budget=c.budget, rounding=c.budget_rounding),
+    "expected_attention": lambda c: ExpectedAttention(budget=c.budget, n_sink=c.n_sink, rounding=c.budget_rounding),
 }
 CHANNEL_METHODS = {
     "think": lambda c: ThinK(ratio=c.ratio, window_size=c.channel_window_size, keep_window=c.think_keep_window,
                              score_dtype=c.saliency_dtype),
-    "spark": lambda c: SparK(ratio=c.ratio, window_size=c.channel_window_size, saliency=c.saliency, recovery=c.recovery,
+    "spark": lambda c: SparK(ratio=c.ratio, window_size=c.channel_window_size, saliency=c.saliency,
+                             recovery="zero" if c.variant == "group_fork" and c.group_fork_fill == "zero"
+                             else c.recovery,
                              variant=c.variant, top_p=c.top_p, groups=c.groups, constant=c.constant, seed=c.seed,
                              recovery_stats=c.recovery_stats, saliency_dtype=c.saliency_dtype),
 }
@@ -54,7 +60,8 @@ COMPRESS_SCOPES = ("prompt", "question", "context")
 CHOICES = {"compress_scope": COMPRESS_SCOPES, "saliency": SALIENCY_MODES, "recovery": RECOVERY_MODES,
            "recovery_stats": STATS, "variant": VARIANTS, "pooling": ("max", "avg"), "pyramid_fallback": FALLBACKS,
            "ada_safeguard": SAFEGUARDS, "value_score": VALUE_SCORES, "value_fill": VALUE_FILLS,
-           "saliency_dtype": SALIENCY_DTYPES}
+           "saliency_dtype": SALIENCY_DTYPES, "budget_rounding": BUDGET_ROUNDINGS,
+           "group_fork_fill": GROUP_FORK_FILLS}
 
 
 @dataclass(frozen=True)
@@ -78,12 +85,17 @@ class MethodConfig:
     them together): ``value_score`` / ``value_fill`` (Appendix D: ``norm`` / ``zero`` vs the code's ``fork`` /
     ``mean``), ``variant=group_fork`` (the code's SparK-g), the ``fork_*`` recoveries (the code's distribution
     draws), ``window_q_norm`` (Qwen3 window queries with or without ``q_norm``) and ``saliency_dtype``
-    (``float32`` or the model dtype, as the code scores).
+    (``float32`` or the model dtype, as the code scores), ``budget_rounding`` (``exact`` ``int(S·b)`` vs the code's
+    floating-point ``int(S·(1 − (1 − b)))``, one token fewer at 20% for S divisible by 5) and ``group_fork_fill``
+    (``zero``: SparK-g's pruned entries read as zeros, as the code's ``eval.py`` runs it — it never sets
+    ``pooling_ratio`` for SparK-g, so the press falls through to ``keys * mask``; ``recovery``: the ``recovery``
+    option refills them, the paper's reading).
     """
 
     name: str = "full"
     compress_scope: str = "prompt"
     budget: float = 0.2
+    budget_rounding: str = "exact"
     ratio: float = 0.0
     value_ratio: float = 0.0
     value_score: str = "norm"
@@ -96,6 +108,7 @@ class MethodConfig:
     recovery: str = "degenerate"
     recovery_stats: str = "pruned"
     variant: str = "fixed"
+    group_fork_fill: str = "recovery"
     top_p: float = 0.99
     groups: int = 4
     constant: float = 0.01
@@ -192,15 +205,16 @@ def _option_text(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-_SNAPKV_OPTIONS = ("window_size", "kernel_size", "pooling", "window_q_norm")
+_SNAPKV_OPTIONS = ("window_size", "kernel_size", "pooling", "window_q_norm", "budget_rounding")
 # method part → the options that change what it computes (the others are ignored by it)
 METHOD_OPTIONS = {
-    "snapkv": _SNAPKV_OPTIONS, "pyramidkv": (*_SNAPKV_OPTIONS, "beta", "pyramid_fallback"),
-    "adasnapkv": (*_SNAPKV_OPTIONS, "alpha_safeguard", "ada_safeguard"), "streamingllm": ("n_sink",),
-    "tova": (), "expected_attention": ("n_sink", "window_q_norm"),
+    "snapkv": _SNAPKV_OPTIONS, "pyramidkv": (*_SNAPKV_OPTIONS[:-1], "beta", "pyramid_fallback"),  # own rounding
+    "adasnapkv": (*_SNAPKV_OPTIONS, "alpha_safeguard", "ada_safeguard"),
+    "streamingllm": ("n_sink", "budget_rounding"), "tova": ("budget_rounding",),
+    "expected_attention": ("n_sink", "window_q_norm", "budget_rounding"),
     "think": ("ratio", "window_size", "channel_window", "think_keep_window", "window_q_norm", "saliency_dtype"),
     "spark": ("ratio", "window_size", "channel_window", "saliency", "recovery", "recovery_stats", "variant", "top_p",
-              "groups", "constant", "seed", "window_q_norm", "saliency_dtype"),
+              "groups", "constant", "seed", "window_q_norm", "saliency_dtype", "group_fork_fill"),
 }
 
 
@@ -299,6 +313,7 @@ class Pipeline:
         start = time.perf_counter()
         n = len(prefill.layers)
         layers = [self.compress_layer(layer, i, n, selections) for i, layer in enumerate(prefill.layers)]
+        synchronize(prefill.layers[0].keys.device if n else None)  # the compression's device time
         return CompressedCache(layers, attention), time.perf_counter() - start
 
 

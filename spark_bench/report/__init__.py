@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("inputs", nargs="*", help="results directories, or paper:<table> for a paper table")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="ruler")
     parser.add_argument("--paper", help=f"a paper table to set beside ours: a shipped name ({', '.join(paper_tables())})"
-                                        " or a CSV path")
+                                        " or a CSV path; NAME@PART keeps the blocks starting with PART (e.g. "
+                                        "tab_app_full_ruler@8K)")
     parser.add_argument("--check", action="store_true", help="only check that --paper resolves (prints its path)")
     parser.add_argument("--ci", action="store_true",
                         help="cells as mean ± 95%% bootstrap half-width, plus each row's paired Δ against its base")
@@ -64,14 +65,16 @@ def main(argv: list[str] | None = None) -> None:
         if args.check:
             if not args.paper:
                 raise ValueError("--check needs --paper NAME")
-            path = paper_table(args.paper)
-            print(f"spark-bench-report: paper table {args.paper} → {path} ({len(read_paper_csv(path))} cells)")
+            path = paper_table(args.paper.split("@")[0])
+            print(f"spark-bench-report: paper table {args.paper} → {path} ({len(read_paper_csv(args.paper))} cells)")
             return
         if not args.inputs:
             raise ValueError("no inputs: give results directories and/or paper:<table>")
         layout = LAYOUTS[args.layout]
         frame = build(args.inputs, layout, args.ci, args.resamples, args.seed)
         paper = read_paper_csv(args.paper) if args.paper else None
+        if paper is not None and layout.name in ("dist", "variants"):  # ablation rows carry no base-method group
+            paper = paper.assign(group="")
         runs = [i for i in args.inputs if not i.startswith("paper:")]
         samples = read_sample_scores(runs, layout) if runs and (args.ci or args.claims) else None
     except (FileNotFoundError, ValueError, KeyError) as err:

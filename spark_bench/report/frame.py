@@ -22,14 +22,27 @@ _LATEX = re.compile(r"^(?:\\[A-Za-z]+(?:\{[^}]*\}|[\d-]+)?\s*)+")
 
 
 def clean_method(text: str) -> str:
-    """``\\cdashline1-15 SnapKV`` → ``SnapKV``; ``+ThinK(0.5)`` → ``+ThinK (0.5)``."""
+    """``\\cdashline1-15 SnapKV`` → ``SnapKV``; ``+ThinK(0.5)`` → ``+ThinK (0.5)``; ``(0.5 + 0.3)`` →
+    ``(0.5+0.3)`` (key + value ratios, as run labels write them)."""
     text = _LATEX.sub("", str(text)).strip()
+    text = re.sub(r"\((\d[\d.]*)\s*\+\s*(\d[\d.]*)\)", r"(\1+\2)", text)  # +SparK (0.5 + 0.3) → (0.5+0.3)
     return re.sub(r"(\S)\(", r"\1 (", text)
 
 
 def read_paper_csv(path: str | Path) -> pd.DataFrame:
-    """A paper table (a shipped name such as ``tab_main``, or a CSV path) in the long format."""
+    """A paper table (a shipped name such as ``tab_main``, or a CSV path) in the long format.
+
+    ``name@PART`` (e.g. ``tab_app_full_ruler@8K``) keeps the blocks that start with ``PART`` (``8K input, …``) and
+    names them as a run names its blocks: ``… full KV cache`` → no block, ``… 20% KV cache`` → ``KV 20%``."""
+    part = None
+    if "@" in str(path):
+        path, part = str(path).split("@", 1)
     raw = pd.read_csv(paper_table(path), keep_default_na=False, dtype={"value": str})
+    if part is not None:
+        raw = raw[raw.block.astype(str).str.startswith(part)]
+        if raw.empty:
+            raise ValueError(f"paper table {path}: no block starts with {part!r}")
+        raw = raw.assign(block=[_run_block(b) for b in raw.block])
     rows, group = [], ""
     for block, method, column, value in raw[["block", "method", "column", "value"]].itertuples(index=False):
         method = clean_method(method)
@@ -39,6 +52,16 @@ def read_paper_csv(path: str | Path) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=COLUMNS)
     frame["value"] = pd.to_numeric(frame["value"], errors="coerce")
     return frame
+
+
+def _run_block(block: str) -> str:
+    """``16K input, 20% KV cache`` → ``KV 20%``; ``…, KV-size 128`` → ``KV-size 128``; ``16K input, full KV
+    cache`` → ``""`` (the full cache has no block)."""
+    match = re.search(r"(\d+(?:\.\d+)?)% KV cache", block)
+    if match:
+        return budget_block(float(match.group(1)) / 100)
+    match = re.search(r"KV-size (\d+)", block)  # LLaMA-3-8B-Instruct, KV-size 128 → KV-size 128
+    return budget_block(int(match.group(1))) if match else ""
 
 
 def budget_block(budget: float) -> str:
@@ -95,6 +118,27 @@ def _load(directory) -> pd.DataFrame:
     return pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
 
 
+def ablation_cell(m: dict, kind: str) -> tuple[str, str, str] | None:
+    """(block, row label, column) of a method config in an ablation layout — ``dist`` (rows Normal / Exponential /
+    Degenerate per ratio) or ``variants`` (SparK / SparK-p / SparK-g rows) — or None if it has no cell there."""
+    if "+spark" not in m["name"]:
+        return None
+    column = budget_block(m["budget"])
+    if kind == "dist":
+        if m.get("variant", "fixed") != "fixed":
+            return None
+        return f"ratio {m['ratio']:g}", RECOVERY_NAMES.get(m["recovery"], m["recovery"]), column
+    if m["variant"] == "top_p":
+        label = f"SparK-p (p={100 * m['top_p']:g}%)"
+    elif m["variant"] == "group":
+        label = f"SparK-g (g={m['groups']})"
+    elif m["variant"] == "group_fork":
+        label = "SparK-g (official code)"
+    else:
+        label = f"SparK (ratio {m['ratio']:g})"
+    return f"{DISPLAY[m['name'].split('+')[0]]} LongBench avg", label, column  # the paper block
+
+
 def read_ablation(directories, kind: str) -> pd.DataFrame:
     """Runs in the ablation layouts: ``dist`` (rows Normal/Exponential/Degenerate per ratio) or ``variants``
     (SparK / SparK-p / SparK-g rows with the achieved ``Overall ratio``); each cell the mean over tasks."""
@@ -102,28 +146,14 @@ def read_ablation(directories, kind: str) -> pd.DataFrame:
     for directory in directories:
         preds = _load(directory)
         for _, group in preds.groupby("config", sort=False):
-            m = group.iloc[0]["method"]
-            if "+spark" not in m["name"]:
+            cell = ablation_cell(group.iloc[0]["method"], kind)
+            if cell is None:
                 continue
-            column = budget_block(m["budget"])
+            block, label, column = cell
             avg = group.groupby("task").score.mean().mean()
-            base = DISPLAY[m["name"].split("+")[0]]
-            if kind == "dist":
-                if m.get("variant", "fixed") != "fixed":
-                    continue
-                rows.append((f"ratio {m['ratio']:g}", "", RECOVERY_NAMES.get(m["recovery"], m["recovery"]), column, avg))
-                continue
-            if m["variant"] == "top_p":
-                label = f"SparK-p (p={100 * m['top_p']:g}%)"
-            elif m["variant"] == "group":
-                label = f"SparK-g (g={m['groups']})"
-            elif m["variant"] == "group_fork":
-                label = "SparK-g (official code)"
-            else:
-                label = f"SparK (ratio {m['ratio']:g})"
-            block = f"{base} avg"
             rows.append((block, "", label, column, avg))
-            rows.append((block, "", label, "Overall ratio", group.key_ratio.mean()))
+            if kind != "dist":
+                rows.append((block, "", label, "Overall ratio", group.key_ratio.mean()))
     frame = pd.DataFrame(rows, columns=COLUMNS)
     # the overall ratio is one number per variant: its mean over budgets
     ratio = frame.column == "Overall ratio"

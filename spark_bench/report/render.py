@@ -134,25 +134,35 @@ def to_csv(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = Non
     return pd.DataFrame(out).to_csv(index=False)
 
 
+LATEX_SPECIALS = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+
+
+def latex_escape(text: str) -> str:
+    """``text`` as LaTeX source that typesets it literally: every one of LaTeX's ten special characters escaped
+    (labels carry ``_`` from option names, ``%`` from budgets, ``[]`` and ``=`` are safe)."""
+    return "".join(LATEX_SPECIALS.get(ch, ch) for ch in str(text))
+
+
 def to_latex(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = None) -> str:
     rows, columns, cells = table(frame, layout)
     ci = intervals(frame)
     ref = table(paper, layout)[2] if paper is not None else {}
     lines = [r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule"]
     if layout.groups:
-        spans = [rf"\multicolumn{{{n}}}{{c}}{{{name}}}" for name, n in layout.groups]
+        spans = [rf"\multicolumn{{{n}}}{{c}}{{{latex_escape(name)}}}" for name, n in layout.groups]
         rest = len(columns) - sum(n for _, n in layout.groups)
         lines.append("& " + " & ".join(spans + [""] * rest) + r" \\")
-    lines += [r"\textbf{Method} & " + " & ".join(c.replace("%", r"\%") for c in columns) + r" \\", r"\midrule"]
+    lines += [r"\textbf{Method} & " + " & ".join(latex_escape(c) for c in columns) + r" \\", r"\midrule"]
     block = None
     for row in rows:
         if row[0] != block:
             block = row[0]
             if block:
-                name = block.replace("%", r"\%")
+                name = latex_escape(block)
                 lines.append(rf"\midrule \multicolumn{{{len(columns) + 1}}}{{l}}{{\textit{{{name}}}}} \\")
-        values = [_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None, ci.get((*row, c)))
+        values = [latex_escape(_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None, ci.get((*row, c))))
                   .replace("±", r"$\pm$") for c in columns]
-        lines.append(row[2].replace("%", r"\%") + " & " + " & ".join(values) + r" \\")
+        lines.append(latex_escape(row[2]) + " & " + " & ".join(values) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines) + "\n"

@@ -1,12 +1,15 @@
-"""Fast decode logits over a compact SparK key store (``kernels/spark_logits.cpp``), never rebuilding keys.
+"""The compiled kernels of compact attention (``kernels/spark_logits.cpp``): building, loading, dispatch.
 
-The C++ kernel is compiled with ``torch.utils.cpp_extension`` when the project is installed (``make``; else on first
-use; needs a C++ compiler and ninja) and later imported without a build lock (:func:`load_kernel`). It runs on CPU
-tensors and supports fixed-T stores (every token keeps T channels) with the recoveries whose term folds into
-per-token work (:meth:`FastTerms`): ``zero``/``none``/``constant``, ``degenerate`` in both saliency modes. Anything
-else — CUDA tensors, SparK-p/-g (ragged T), ``gaussian``/``exponential`` (per-entry random draws), no compiler — runs
-the reference path (rebuild the layer's keys, then matmul), with one warning per reason (:func:`kernel_blocker`
-decides; :func:`fallback_reasons` lists what was seen).
+The C++ extension is compiled with ``torch.utils.cpp_extension`` when the project is installed (``make``; else on
+first use; needs a C++ compiler and ninja) and later imported without a build lock (:func:`load_kernel`). It holds
+two CPU kernels over a segment table (:mod:`.segments`): ``spark_segments`` (logits ``q·k̃`` over compact key stores:
+SparK fixed-T with ``zero``/``none``/``constant`` and ``degenerate`` in both saliency modes, ThinK, dense keys) and
+``pv_segments`` (``weights · values`` over value tensors shared by several rows). On CUDA tensors the same tables go to
+the Triton kernels (:mod:`.triton_logits`). A single store outside a decode batch (:func:`compact_logits`) uses the
+same kernel through a one-store segment table; anything the kernels do not serve — SparK-p/-g (ragged T),
+``gaussian``/``exponential``/``fork_*`` draws (per-entry random scores), no compiler, no Triton on CUDA — runs the
+reference path (rebuild the layer's keys, then matmul), with one warning per reason (:func:`kernel_blocker` decides;
+:func:`fallback_reasons` lists what was seen).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import platform
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -27,19 +29,6 @@ import torch
 KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "engine" / "kernels" / "spark_logits.cpp"
 MODES = {"constant": 0, "aligned": 1, "signed": 2}
 _seen_fallbacks: set[str] = set()
-
-
-@dataclass(frozen=True)
-class FastTerms:
-    """What the kernel needs from a recovery for one decode step (see the kernel's header for the formulas)."""
-
-    mode: str                     # constant | aligned | signed
-    aux: torch.Tensor             # (B, H, G, D) float32: u (aligned) or v (signed); unused for constant
-    totals: torch.Tensor          # (B, H, G) float32: Σ_c of q (constant), u (aligned) or v (signed)
-    fill: float = 0.0
-    mu: torch.Tensor | None = None
-    signs: torch.Tensor | None = None
-    n_signs: int = 0
 
 
 KERNEL_WAIT_S = 300.0  # longest wait for a build (or another process's build lock) before the reference path
@@ -73,7 +62,7 @@ def _build(directory: Path, name: str):
 
     directory.mkdir(parents=True, exist_ok=True)
     return load(name=name, sources=[str(KERNEL_SOURCE)], build_directory=str(directory),
-                extra_cflags=["-O3", "-march=native"], verbose=False)
+                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
 
 
 @lru_cache(maxsize=1)
@@ -127,60 +116,26 @@ def fallback_reasons() -> set[str]:
     return set(_seen_fallbacks)
 
 
-def fast_logits(store, queries: torch.Tensor, terms: FastTerms) -> torch.Tensor:
-    """``queries (B, H, G, D)`` · keys of ``store`` → ``(B, H, G, S)`` float32."""
-    kernel = load_kernel()
-    b, h, g, d = queries.shape
-    s, t = store.length, store.row_kept
-    q = queries.float()
+def kernel_blocker(store, device: torch.device) -> str | None:
+    """Why no compact kernel can serve this store on ``device`` (None: one can): the store's layout and recovery
+    (:func:`~.segments.store_blocker`), then the device (:func:`~.segments.compact_backend`: the C++ kernel takes CPU
+    tensors, the Triton kernel CUDA tensors)."""
+    from spark_bench.storage.segments import compact_backend, store_blocker
 
-    def heads_dg(x):  # (B, H, G, D) → (B·H, D, G) contiguous: a channel's G query values side by side
-        return x.float().permute(0, 1, 3, 2).reshape(b * h, d, g).contiguous()
-
-    empty = torch.empty(0, dtype=store.kept.dtype)
-    out = kernel.spark_logits(
-        heads_dg(q), heads_dg(terms.aux), terms.totals.float().reshape(b * h, g).contiguous(),
-        store.mask_bits.reshape(b * h, s, d // 8).contiguous(), store.kept.contiguous(),
-        terms.mu.reshape(-1).contiguous() if terms.mu is not None else empty,
-        terms.signs if terms.signs is not None else torch.empty(0, dtype=torch.uint8), terms.n_signs,
-        terms.fill, MODES[terms.mode], s, d, t)
-    return out.view(b, h, g, s)
-
-
-def kernel_blocker(store, device: torch.device, group: int) -> str | None:
-    """Why the C++ kernel cannot serve this store and these queries (None: it can, as far as the store and the
-    device go; the recovery and the build are checked after). The kernel only takes CPU tensors: on CUDA (or any
-    other device) the reference path rebuilds the layer's keys transiently for each step — the stored bytes are
-    unchanged — since a torch-native gather of ragged kept channels would build an S×D temporary as well."""
-    if device.type != "cpu" or store.kept.device.type != "cpu":
-        return (f"{device.type} tensors: the C++ kernel runs on the CPU only (keys are rebuilt per step on "
-                f"{device.type}, transiently)")
-    if store.row_kept is None:
-        return "tokens keep different numbers of channels (SparK-p / SparK-g)"
-    if store.head_dim % 8:
-        return f"head_dim {store.head_dim} is not a multiple of 8"
-    if group < 1:
-        return f"{group} query rows per kv-head"
-    return None
-
-
-KERNEL_ROWS = 8  # query rows per kv-head one kernel call takes; more (a suffix run through the cache) go in chunks
+    reason = store_blocker(store)
+    if reason is not None:
+        return reason
+    backend = compact_backend(device)
+    return backend[4:] if backend.startswith("no:") else None
 
 
 def compact_logits(store, queries: torch.Tensor, reference) -> torch.Tensor:
-    """Kernel when the device, the store and its recovery support it, else ``reference(queries)`` (one warning per
-    reason). More than :data:`KERNEL_ROWS` query rows per kv-head are served in chunks of that many."""
-    reason = kernel_blocker(store, queries.device, queries.shape[2])
+    """``queries (B, H, G, D)`` · keys of one compact ``store`` → ``(B, H, G, S)`` float32 through the kernel of
+    ``queries``' device when it serves the store (a one-store segment table, kept on the store: no copy of its
+    data), else ``reference(queries)`` with one warning per reason."""
+    reason = kernel_blocker(store, queries.device)
     if reason is None:
-        chunks = queries.split(KERNEL_ROWS, dim=2)
-        terms = [store.recovery.fast_terms(chunk) for chunk in chunks]
-        reason = next((t for t in terms if isinstance(t, str)), None)
-        if reason is None:
-            kernel = load_kernel()
-            if isinstance(kernel, str):
-                reason = kernel
-            else:
-                return torch.cat([fast_logits(store, c, t) for c, t in zip(chunks, terms)], dim=2)
+        return store.segment_stack.logits(queries)
     fallback(reason)
     return reference(queries)
 

@@ -9,6 +9,7 @@ prediction are measured, not estimated.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -40,7 +41,7 @@ class Recovery(Protocol):
 
     def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
-    def fast_terms(self, queries: torch.Tensor): ...  # FastTerms for the compact kernel, or why not (a string)
+    def kernel_terms(self): ...  # segments.KernelTerms for the compact kernel, or why not (a string)
 
     def nbytes(self) -> int: ...
 
@@ -135,6 +136,13 @@ class UnstructuredStore:
 
     def reference_logits(self, queries: torch.Tensor) -> torch.Tensor:
         return dense_logits(queries, self.materialize())
+
+    @cached_property
+    def segment_stack(self):
+        """This store alone as a segment table for the compact kernels (views of its tensors, built once)."""
+        from spark_bench.storage.segments import SegmentStack
+
+        return SegmentStack([self])
 
     def nbytes(self) -> int:
         return tensor_bytes(self.kept, self.mask_bits) + self.recovery.nbytes()

@@ -1,23 +1,45 @@
-// Decode-step attention logits q·k̃ over a compact SparK key store, without rebuilding the S×D key matrix.
+// Decode-step attention logits q·k̃ over compact key stores (SparK fixed-T, ThinK), without rebuilding S×D keys.
 //
-// Per token t (kept-channel mask m_t with T set bits, kept values in channel order):
+// The stores of a whole decode batch are described by one *segment table* (see storage/segments.py): a segment is
+// a run of tokens of one query head's store with one layout, and all segments' data live in flat arrays. Per token
+// t of a segment (kept-channel mask m_t with T set bits, kept values in channel order):
 //   q·k̃_t = Σ_{c∈K_t} q_c k_tc + R_t,  where the recovery term R_t is
-//   mode 0, constant fill f:            f · (Σ_c q_c − Σ_{c∈K_t} q_c)
-//   mode 1, paper degenerate μ_t/q̄_c:   μ_t · (Σ_c u_c − Σ_{c∈K_t} u_c),   u_c = q_c / q̄_c (0 where q̄_c = 0)
-//   mode 2, official sign·sqrt(μ_t/‖q_c‖): sqrt(μ_t) · Σ_{c∈P_t} s_tc v_c,  v_c = q_c / sqrt(‖q_c‖)
-//            = sqrt(μ_t) · (2 Σ_{c∈P_t, s=+} v_c − Σ_c v_c + Σ_{c∈K_t} v_c)
-// Modes 0 and 1 fold into a per-token correction over the T kept channels only. Mode 2 needs the signs of the
-// pruned entries (stored flat, in pruned order): they are deposited onto the pruned channel positions (pdep) and
-// the positive ones summed 8 channels at a time through per-byte lookup tables of v.
-// G (query heads per kv-head) is a template parameter so the per-channel work over G vectorises.
+//   mode 0, constant fill f:            f · (Σ_c a_c − Σ_{c∈K_t} a_c)                 a = q
+//   mode 1, paper degenerate μ_t/q̄_c:   μ_t · (Σ_c a_c − Σ_{c∈K_t} a_c),              a_c = q_c / q̄_c (0 where q̄_c = 0)
+//   mode 2, official sign·sqrt(μ_t/‖q_c‖): sqrt(μ_t) · Σ_{c∈P_t} s_tc a_c,          a_c = q_c / sqrt(‖q_c‖)
+//            = sqrt(μ_t) · (2 Σ_{c∈P_t, s=+} a_c − Σ_c a_c + Σ_{c∈K_t} a_c)
+//   mode 3, dense (every channel kept, no mask: ThinK's recent tokens)
+// a = q · aux_scale (per query head, per channel) is formed here. Modes 0 and 1 fold into a per-token correction
+// over the T kept channels only. Mode 2 needs the signs of the pruned entries (flat bits, in pruned order): they are
+// deposited onto the pruned channel positions (pdep) and the positive ones summed 8 channels at a time through
+// per-byte lookup tables of a. A segment's mask row may be shared by all its tokens (mask stride 0: ThinK's one
+// channel set per head). G (query rows per kv-head) is a template parameter so the per-channel work vectorises.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <tuple>
 #include <vector>
 #ifdef __BMI2__
 #include <immintrin.h>
 #endif
+
+// segment table columns (storage/segments.py PART_COLUMNS): each array is read from one of several parts (the rows'
+// own tensors, no copy), at an offset inside that part
+enum { QH = 0, OUT_OFF, N_TOK, T_KEPT, KEPT_PART, KEPT_OFF, MASK_PART, MASK_OFF, MASK_STRIDE, MU_PART, MU_OFF,
+       SIGN_PART, SIGN_OFF, MODE, N_COLS };
+
+template <typename T>
+static std::vector<const T*> pointers(const std::vector<torch::Tensor>& parts) {
+  std::vector<const T*> out;
+  for (const auto& p : parts) {
+    TORCH_CHECK(p.device().is_cpu() && (p.numel() == 0 || p.stride(-1) == 1), "segment parts must be CPU tensors "
+                "whose rows are contiguous (the table's offsets account for their strides)");
+    out.push_back(p.numel() ? p.data_ptr<T>() : nullptr);
+  }
+  return out;
+}
 
 static inline uint64_t load_word(const uint8_t* p, int nbytes) {
   uint64_t w = 0;
@@ -54,92 +76,156 @@ static inline uint64_t deposit(uint64_t src, uint64_t mask) {
 #endif
 }
 
+// q·k over D contiguous channels, vectorised (the compiler may reorder the float32 sum: -fopenmp-simd)
+template <typename scalar_t>
+static inline float dot(const float* q, const scalar_t* k, int64_t D) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t c = 0; c < D; ++c) s += q[c] * static_cast<float>(k[c]);
+  return s;
+}
+
 template <typename scalar_t, int G>
-static void run(const float* qT,        // (R_heads, D, G)   query channels, G contiguous
-                const float* aux,       // (R_heads, D, G)   u (mode 1) or v (mode 2) per query, G contiguous
-                const float* totals,    // (R_heads, G)      Σ_c q_c (mode 0), Σ_c u_c (mode 1), Σ_c v_c (mode 2)
-                const uint8_t* mask,    // (R_heads, S, D/8)
-                const scalar_t* kept,   // (R_heads * S * T)
-                const scalar_t* mu,     // (R_heads, S)
-                const uint8_t* signs, int64_t n_signs,
-                float fill, int mode, int64_t heads, int64_t S, int64_t D, int64_t T,
-                float* out) {          // (R_heads, G, S)
-  const int64_t nbytes = D / 8, words = (D + 63) / 64, P = D - T;
-  // mode 2 lookup tables: table[h][j][b][g] = Σ_{i ∈ bits(b)} v[8j + i][g]
-  std::vector<float> tables;
-  if (mode == 2) {
-    tables.assign(heads * nbytes * 256 * G, 0.f);
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t j = 0; j < nbytes; ++j) {
-        float* tab = tables.data() + ((h * nbytes + j) * 256) * G;
-        for (int b = 1; b < 256; ++b) {
-          const float* vc = aux + (h * D + 8 * j + __builtin_ctz(b)) * G;
-          for (int g = 0; g < G; ++g) tab[b * G + g] = tab[(b & (b - 1)) * G + g] + vc[g];
-        }
+static void run(const float* q,          // (QH, G, D) queries
+                const float* aux_scale,  // (QH, D)
+                const int64_t* table, int64_t nseg, const float* fills,
+                const std::vector<const scalar_t*>& kept, const std::vector<const uint8_t*>& mask,
+                const std::vector<const scalar_t*>& mu, const std::vector<const uint8_t*>& signs,
+                const std::vector<int64_t>& sign_bits,
+                int64_t heads, int64_t D, int64_t Smax,
+                const scalar_t* tail, int64_t tail_cap, int64_t tail_len, int64_t q_len, int64_t g0,
+                float* out) {            // (QH, G, W), −inf-initialised; W = Smax + tail_len
+  const int64_t nbytes = D / 8, words = (D + 63) / 64, W = Smax + tail_len;
+  // per query head: q and a = q·aux_scale transposed to (D, G), and Σ_c a_c
+  std::vector<float> qT(heads * D * G), aT(heads * D * G), totals(heads * G, 0.f);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t c = 0; c < D; ++c)
+      for (int g = 0; g < G; ++g) {
+        const float v = q[(h * G + g) * D + c];
+        const float a = v * aux_scale[h * D + c];
+        qT[(h * D + c) * G + g] = v;
+        aT[(h * D + c) * G + g] = a;
+        totals[h * G + g] += a;
       }
+  // mode 2 lookup tables for the query heads that need them: table[h][j][b][g] = Σ_{i ∈ bits(b)} a[8j + i][g]
+  std::vector<int64_t> table_of(heads, -1);
+  int64_t n_tables = 0;
+  for (int64_t s = 0; s < nseg; ++s)
+    if (table[s * N_COLS + MODE] == 2 && table_of[table[s * N_COLS + QH]] < 0)
+      table_of[table[s * N_COLS + QH]] = n_tables++;
+  std::vector<float> tables(n_tables * nbytes * 256 * G, 0.f);
+  for (int64_t h = 0; h < heads; ++h) {
+    if (table_of[h] < 0) continue;
+    for (int64_t j = 0; j < nbytes; ++j) {
+      float* tab = tables.data() + ((table_of[h] * nbytes + j) * 256) * G;
+      for (int b = 1; b < 256; ++b) {
+        const float* vc = aT.data() + (h * D + 8 * j + __builtin_ctz(b)) * G;
+        for (int g = 0; g < G; ++g) tab[b * G + g] = tab[(b & (b - 1)) * G + g] + vc[g];
+      }
+    }
   }
-  at::parallel_for(0, heads * S, 256, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> start(nseg + 1, 0);  // first flat token of each segment
+  for (int64_t s = 0; s < nseg; ++s) start[s + 1] = start[s] + table[s * N_COLS + N_TOK];
+  at::parallel_for(0, start[nseg], 256, [&](int64_t begin, int64_t end) {
     float acc[G], rec[G], pos_sum[G];
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t h = row / S, t = row % S;
-      const float* q = qT + h * D * G;
-      const float* a = (mode == 0 ? qT : aux) + h * D * G;
-      const uint8_t* m = mask + row * nbytes;
-      const scalar_t* k = kept + row * T;
+    int64_t s = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1;
+    for (int64_t flat = begin; flat < end; ++flat) {
+      while (flat >= start[s + 1]) ++s;
+      const int64_t* seg = table + s * N_COLS;
+      const int64_t h = seg[QH], t = flat - start[s], T = seg[T_KEPT], mode = seg[MODE];
+      const float* qh = qT.data() + h * D * G;
+      const float* ah = aT.data() + h * D * G;
       for (int g = 0; g < G; ++g) acc[g] = rec[g] = pos_sum[g] = 0.f;
-      int64_t p = 0, sign_pos = row * P;
-      for (int64_t w = 0; w < words; ++w) {
-        const int wbytes = (int)std::min<int64_t>(8, nbytes - 8 * w);
-        const uint64_t valid = wbytes == 8 ? ~0ULL : ((1ULL << (8 * wbytes)) - 1);
-        const uint64_t km = load_word(m + 8 * w, wbytes);
-        for (uint64_t bits = km; bits; bits &= bits - 1) {  // kept channels, ascending: q·k and Σ_kept aux
-          const int64_t c = 64 * w + __builtin_ctzll(bits);
-          const float kv = static_cast<float>(k[p++]);
-          const float* qc = q + c * G;
-          const float* ac = a + c * G;
-          for (int g = 0; g < G; ++g) {
-            acc[g] += qc[g] * kv;
-            rec[g] += ac[g];
-          }
-        }
-        if (mode == 2) {  // positive pruned entries, 8 channels per table lookup
-          const uint64_t pm = ~km & valid;
-          const int n = __builtin_popcountll(pm);
-          const uint64_t pos = deposit(read_bits(signs, n_signs, sign_pos, n), pm);
-          sign_pos += n;
-          for (int j = 0; j < wbytes; ++j) {
-            const float* tp = tables.data() + ((h * nbytes + 8 * w + j) * 256 + ((pos >> (8 * j)) & 0xFF)) * G;
-            for (int g = 0; g < G; ++g) pos_sum[g] += tp[g];
-          }
-        }
-      }
-      float* o = out + h * G * S + t;
-      const float* tot = totals + h * G;
-      if (mode == 2) {  // Σ_pruned s·v = 2 Σ_{pruned,+} v − (Σ_all v − Σ_kept v)
-        const float sq = std::sqrt(std::max(static_cast<float>(mu[row]), 0.f));
-        for (int g = 0; g < G; ++g) o[g * S] = acc[g] + sq * (2.f * pos_sum[g] - tot[g] + rec[g]);
+      const scalar_t* k = kept[seg[KEPT_PART]] + seg[KEPT_OFF] + t * T;
+      if (mode == 3) {
+        for (int g = 0; g < G; ++g) acc[g] = dot(q + (h * G + g) * D, k, D);
       } else {
-        const float scale = mode == 1 ? static_cast<float>(mu[row]) : fill;
-        for (int g = 0; g < G; ++g) o[g * S] = acc[g] + scale * (tot[g] - rec[g]);
+        const uint8_t* m = mask[seg[MASK_PART]] + (seg[MASK_OFF] + t * seg[MASK_STRIDE]) * nbytes;
+        int64_t p = 0, sign_pos = seg[SIGN_OFF] + t * (D - T);
+        for (int64_t w = 0; w < words; ++w) {
+          const int wbytes = (int)std::min<int64_t>(8, nbytes - 8 * w);
+          const uint64_t valid = wbytes == 8 ? ~0ULL : ((1ULL << (8 * wbytes)) - 1);
+          const uint64_t km = load_word(m + 8 * w, wbytes);
+          for (uint64_t bits = km; bits; bits &= bits - 1) {  // kept channels, ascending: q·k and Σ_kept a
+            const int64_t c = 64 * w + __builtin_ctzll(bits);
+            const float kv = static_cast<float>(k[p++]);
+            const float* qc = qh + c * G;
+            const float* ac = ah + c * G;
+            for (int g = 0; g < G; ++g) {
+              acc[g] += qc[g] * kv;
+              rec[g] += ac[g];
+            }
+          }
+          if (mode == 2) {  // positive pruned entries, 8 channels per table lookup
+            const uint64_t pm = ~km & valid;
+            const int n = __builtin_popcountll(pm);
+            const uint64_t pos = deposit(read_bits(signs[seg[SIGN_PART]], sign_bits[seg[SIGN_PART]], sign_pos, n), pm);
+            sign_pos += n;
+            const float* tb = tables.data() + (table_of[h] * nbytes + 8 * w) * 256 * G;
+            for (int j = 0; j < wbytes; ++j) {
+              const float* tp = tb + (j * 256 + ((pos >> (8 * j)) & 0xFF)) * G;
+              for (int g = 0; g < G; ++g) pos_sum[g] += tp[g];
+            }
+          }
+        }
       }
+      float* o = out + h * G * W + seg[OUT_OFF] + t;
+      const float* tot = totals.data() + h * G;
+      if (mode == 3) {
+        for (int g = 0; g < G; ++g) o[g * W] = acc[g];
+      } else if (mode == 2) {  // Σ_pruned s·a = 2 Σ_{pruned,+} a − (Σ_all a − Σ_kept a)
+        const float sq = std::sqrt(std::max(static_cast<float>(mu[seg[MU_PART]][seg[MU_OFF] + t]), 0.f));
+        for (int g = 0; g < G; ++g) o[g * W] = acc[g] + sq * (2.f * pos_sum[g] - tot[g] + rec[g]);
+      } else {
+        const float scale = mode == 1 ? static_cast<float>(mu[seg[MU_PART]][seg[MU_OFF] + t]) : fills[s];
+        for (int g = 0; g < G; ++g) o[g * W] = acc[g] + scale * (tot[g] - rec[g]);
+      }
+    }
+  });
+  if (tail_len == 0) return;
+  // the decoded tail: query head h reads tail row h (dense, tail_cap slots, the first tail_len filled) into
+  // positions Smax + t; query row r = g0 + g is query position r % q_len of the step, which sees tail tokens
+  // t ≤ tail_len − q_len + r % q_len (causal among the step's own tokens), the rest stay −inf
+  at::parallel_for(0, heads * tail_len, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t flat = begin; flat < end; ++flat) {
+      const int64_t h = flat / tail_len, t = flat % tail_len;
+      const scalar_t* k = tail + (h * tail_cap + t) * D;
+      float* o = out + h * G * W + Smax + t;
+      for (int g = 0; g < G; ++g)
+        if (t <= tail_len - q_len + (g0 + g) % q_len) o[g * W] = dot(q + (h * G + g) * D, k, D);
     }
   });
 }
 
-torch::Tensor spark_logits(torch::Tensor qT, torch::Tensor aux, torch::Tensor totals, torch::Tensor mask,
-                           torch::Tensor kept, torch::Tensor mu, torch::Tensor signs, int64_t n_signs,
-                           double fill, int64_t mode, int64_t S, int64_t D, int64_t T) {
-  TORCH_CHECK(qT.is_contiguous() && aux.is_contiguous() && mask.is_contiguous() && kept.is_contiguous());
+torch::Tensor spark_segments(torch::Tensor q, torch::Tensor aux_scale, torch::Tensor table, torch::Tensor fills,
+                             std::vector<torch::Tensor> kept, std::vector<torch::Tensor> mask,
+                             std::vector<torch::Tensor> mu, std::vector<torch::Tensor> signs, int64_t Smax,
+                             torch::Tensor tail, int64_t tail_len, int64_t q_len, int64_t g0) {
+  TORCH_CHECK(q.is_contiguous() && aux_scale.is_contiguous() && table.is_contiguous() && fills.is_contiguous());
+  TORCH_CHECK(!kept.empty(), "segment stack without kept parts");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && aux_scale.scalar_type() == at::kFloat, "queries must be float32");
+  TORCH_CHECK(table.size(1) == N_COLS, "segment table needs ", (int)N_COLS, " columns");
+  const int64_t heads = q.size(0), G = q.size(1), D = q.size(2);
   TORCH_CHECK(D % 8 == 0, "head_dim must be a multiple of 8");
-  const int64_t heads = qT.size(0), G = qT.size(2);
-  TORCH_CHECK(G >= 1 && G <= 8, "query heads per kv-head must be 1..8, got ", G);
-  auto out = torch::empty({heads, G, S}, qT.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kept.scalar_type(), "spark_logits", [&] {
-    auto args = std::make_tuple(qT.data_ptr<float>(), aux.data_ptr<float>(), totals.data_ptr<float>(),
-                                mask.data_ptr<uint8_t>(), kept.data_ptr<scalar_t>(),
-                                mu.numel() ? mu.data_ptr<scalar_t>() : (scalar_t*)nullptr,
-                                signs.numel() ? signs.data_ptr<uint8_t>() : (uint8_t*)nullptr, n_signs, (float)fill,
-                                (int)mode, heads, S, D, T, out.data_ptr<float>());
+  TORCH_CHECK(G >= 1 && G <= 8, "query rows per kv-head must be 1..8, got ", G);
+  const auto dtype = kept[0].scalar_type();
+  for (const auto& p : kept) TORCH_CHECK(p.scalar_type() == dtype, "kept parts must share one dtype");
+  for (const auto& p : mu) TORCH_CHECK(!p.numel() || p.scalar_type() == dtype, "mu must have the kept entries' dtype");
+  std::vector<int64_t> sign_bits;
+  for (const auto& p : signs) sign_bits.push_back(8 * p.numel());
+  TORCH_CHECK(!tail_len || (tail.is_contiguous() && tail.scalar_type() == dtype && tail.size(0) == heads
+                            && tail.size(2) == D), "tail keys must be (QH, capacity, D) in the kept entries' dtype");
+  TORCH_CHECK(q_len >= 1, "q_len must be ≥ 1");
+  const int64_t tail_cap = tail_len ? tail.size(1) : 0;
+  auto out = torch::full({heads, G, Smax + tail_len}, -INFINITY, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "spark_segments", [&] {
+    const auto kept_p = pointers<scalar_t>(kept), mu_p = pointers<scalar_t>(mu);
+    const auto mask_p = pointers<uint8_t>(mask), signs_p = pointers<uint8_t>(signs);
+    auto args = std::make_tuple(q.data_ptr<float>(), aux_scale.data_ptr<float>(), table.data_ptr<int64_t>(),
+                                table.size(0), fills.data_ptr<float>(), std::cref(kept_p), std::cref(mask_p),
+                                std::cref(mu_p), std::cref(signs_p), std::cref(sign_bits), heads, D, Smax,
+                                tail_len ? tail.data_ptr<scalar_t>() : (scalar_t*)nullptr, tail_cap, tail_len,
+                                q_len, g0, out.data_ptr<float>());
     switch (G) {
       case 1: std::apply(run<scalar_t, 1>, args); break;
       case 2: std::apply(run<scalar_t, 2>, args); break;
@@ -154,4 +240,80 @@ torch::Tensor spark_logits(torch::Tensor qT, torch::Tensor aux, torch::Tensor to
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("spark_logits", &spark_logits); }
+// Weights · values over value segments: out[qh][g][c] = Σ_t w[qh][g][w_off + t] · v[val_off + t·D + c].
+// One value segment per query head (a row's kv-head reads its own, or a shared, value tensor); float32 accumulation
+// in token order. Segments sharing a value tensor are adjacent in the table and computed in one pass over it.
+enum { PV_QH = 0, PV_W_OFF, PV_N_TOK, PV_VAL_PART, PV_VAL_OFF, PV_COLS };
+
+template <typename scalar_t>
+static void run_pv(const float* w, const int64_t* table, int64_t nseg, const std::vector<const scalar_t*>& values,
+                   int64_t G,
+                   int64_t W, int64_t D, const scalar_t* tail, int64_t tail_cap, int64_t tail_start,
+                   int64_t tail_len, float* out) {
+  // runs of consecutive segments reading the same value tensor (the caller orders the table so): the tensor is read
+  // once per run, each of its tokens weighted into every segment of the run (as a GEMM would)
+  std::vector<int64_t> runs{0};
+  for (int64_t s = 1; s < nseg; ++s)
+    if (table[s * PV_COLS + PV_VAL_OFF] != table[(s - 1) * PV_COLS + PV_VAL_OFF]
+        || table[s * PV_COLS + PV_VAL_PART] != table[(s - 1) * PV_COLS + PV_VAL_PART]
+        || table[s * PV_COLS + PV_N_TOK] != table[(s - 1) * PV_COLS + PV_N_TOK]) runs.push_back(s);
+  runs.push_back(nseg);
+  at::parallel_for(0, (int64_t)runs.size() - 1, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc, vt(D);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t first = runs[r], count = runs[r + 1] - first;
+      const int64_t* seg0 = table + first * PV_COLS;
+      acc.assign(count * G * D, 0.f);
+      const scalar_t* v = values[seg0[PV_VAL_PART]] + seg0[PV_VAL_OFF];
+      for (int64_t t = 0; t < seg0[PV_N_TOK]; ++t) {
+        for (int64_t c = 0; c < D; ++c) vt[c] = static_cast<float>(v[t * D + c]);
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t* seg = table + (first + i) * PV_COLS;
+          const float* wh = w + seg[PV_QH] * G * W + seg[PV_W_OFF] + t;
+          for (int64_t g = 0; g < G; ++g) {
+            const float wt = wh[g * W];
+            if (wt == 0.f) continue;
+            float* a = acc.data() + (i * G + g) * D;
+#pragma omp simd
+            for (int64_t c = 0; c < D; ++c) a[c] += wt * vt[c];
+          }
+        }
+      }
+      for (int64_t i = 0; i < count; ++i) {  // each segment's own decoded tail: weights at tail_start + t
+        const int64_t h = table[(first + i) * PV_COLS + PV_QH];
+        const float* wtail = w + h * G * W + tail_start;
+        for (int64_t t = 0; t < tail_len; ++t) {
+          const scalar_t* tv = tail + (h * tail_cap + t) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float wt = wtail[g * W + t];
+            if (wt == 0.f) continue;
+            float* a = acc.data() + (i * G + g) * D;
+#pragma omp simd
+            for (int64_t c = 0; c < D; ++c) a[c] += wt * static_cast<float>(tv[c]);
+          }
+        }
+        std::memcpy(out + h * G * D, acc.data() + i * G * D, G * D * sizeof(float));
+      }
+    }
+  });
+}
+
+torch::Tensor pv_segments(torch::Tensor w, torch::Tensor table, std::vector<torch::Tensor> values, int64_t D,
+                          torch::Tensor tail, int64_t tail_start, int64_t tail_len) {
+  TORCH_CHECK(w.is_contiguous() && table.is_contiguous() && !values.empty());
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "weights must be float32");
+  TORCH_CHECK(table.size(1) == PV_COLS, "value segment table needs ", (int)PV_COLS, " columns");
+  const int64_t heads = w.size(0), G = w.size(1), W = w.size(2);
+  TORCH_CHECK(!tail_len || (tail.is_contiguous() && tail.scalar_type() == values[0].scalar_type()
+                            && tail.size(0) == heads && tail_start + tail_len <= W), "tail values must be (QH, cap, D)");
+  auto out = torch::zeros({heads, G, D}, w.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values[0].scalar_type(), "pv_segments", [&] {
+    run_pv<scalar_t>(w.data_ptr<float>(), table.data_ptr<int64_t>(), table.size(0), pointers<scalar_t>(values), G,
+                     W, D, tail_len ? tail.data_ptr<scalar_t>() : (scalar_t*)nullptr, tail_len ? tail.size(1) : 0,
+                     tail_start, tail_len, out.data_ptr<float>());
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("spark_segments", &spark_segments);
+                                  m.def("pv_segments", &pv_segments); }

@@ -76,7 +76,7 @@ class ForkKeyRecovery:
         magnitude = _draw(self.kind, self.mean, self.std, kept_mask.shape, self.seed)
         return _signed(magnitude, kept_mask, self.sign_bits, self.n_signs).to(dtype)
 
-    def fast_terms(self, queries: torch.Tensor) -> str:
+    def kernel_terms(self) -> str:
         return f"fork_key_{self.kind} draws a key value per pruned entry"
 
     def nbytes(self) -> int:
@@ -125,7 +125,7 @@ class ForkRankedRecovery:
         magnitude = torch.sqrt(self.scores(kept_mask).clamp(min=0) / self.query_norm.unsqueeze(-2))
         return _signed(magnitude, kept_mask, self.sign_bits, self.n_signs).to(dtype)
 
-    def fast_terms(self, queries: torch.Tensor) -> str:
+    def kernel_terms(self) -> str:
         return f"fork_ranked_{self.kind} draws a saliency per pruned entry"
 
     def nbytes(self) -> int:

@@ -39,18 +39,35 @@ import torch
 
 from spark_bench.methods.channel.fork_recovery import FORK_MODES
 from spark_bench.storage.bits import masked_entries, pack_bits, tensor_bytes, unpack_bits
-from spark_bench.storage.fast_logits import FastTerms
+from spark_bench.storage.segments import KernelTerms
 
 SAMPLED = ("degenerate", "gaussian", "exponential")
 STATS = ("pruned", "all")
 CONSTANT = ("zero", "constant", "none")
-RECOVERY_MODES = SAMPLED + CONSTANT + FORK_MODES  # FORK_MODES: the official code's own draws (.fork_recovery)
+POOL0 = ("fork_pool0",)  # the official code's pooling_ratio=0.0 refill (pool0_mean_saliency)
+RECOVERY_MODES = SAMPLED + CONSTANT + FORK_MODES + POOL0  # FORK_MODES: the official code's own draws (.fork_recovery)
 
 
 def mean_pruned_saliency(saliency: torch.Tensor, kept_mask: torch.Tensor) -> torch.Tensor:
     """``μ_pruned`` per token: mean saliency over the token's own pruned channels (0 if none is pruned)."""
     pruned = ~kept_mask
     return (saliency * pruned).sum(-1) / pruned.sum(-1).clamp(min=1)
+
+
+def pool0_mean_saliency(saliency: torch.Tensor, k: int) -> torch.Tensor:
+    """``μ'`` of ``recovery=fork_pool0``: the official code's ``pooling_ratio=0.0`` refill (``run4.sh`` snap_spark /
+    pyramid_spark with ``threshold_ratio=0``: ``dynamic_score_selection_norm`` takes the ``pooling_ratio ==
+    threshold_ratio`` branch, ``exponential_attn_grouped`` with one group and ``topk_ratios=[λ]``). Per token, the
+    mean saliency of the channels *strictly below* the ``k = max(1, int(λ·D))``-th largest saliency — the ``D − k``
+    lowest, where the degenerate refill averages the ``int(λ·D)`` pruned (lowest) ones — with the count clamped to
+    ≥ 1. At λ = 0.5 the two sets coincide; at λ = 0.8 they differ. The refill is then the official one,
+    ``sign(k)·sqrt(μ'/‖q_c‖)`` on the pruned entries: it stores what ``degenerate`` stores (one ``μ'`` per token and
+    kv-head in the model dtype, one sign bit per pruned entry, ‖q‖ per head) and decodes through the same kernel
+    mode."""
+    threshold = saliency.topk(k, dim=-1).values[..., -1:]
+    low = saliency < threshold
+    count = low.sum(-1)
+    return (saliency * low).sum(-1) / (count + (count == 0))
 
 
 # ---- score samplers ---------------------------------------------------------------------------------------------
@@ -165,19 +182,18 @@ class SampledRecovery:
     def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.mapping.keys(self.sampler.scores(kept_mask.shape), kept_mask).to(dtype)
 
-    def fast_terms(self, queries: torch.Tensor) -> FastTerms | str:
+    def kernel_terms(self) -> KernelTerms | str:
         """Degenerate recovery folds into per-token work: ``μ_t·(Σ_c u_c − Σ_{kept} u_c)`` with ``u = q/q̄``
         (paper) or ``sqrt(μ_t)·Σ_{pruned} sign·q_c/sqrt(‖q_c‖)`` (official). Sampled ones draw per entry."""
         if not isinstance(self.sampler, DegenerateScores):
             return f"{type(self.sampler).__name__} draws a random score per pruned entry"
-        q = queries.float()
         if isinstance(self.mapping, SignedKey):
-            v = q / self.mapping.query_norm.unsqueeze(-2).sqrt()
-            return FastTerms("signed", v, v.sum(-1), mu=self.sampler.mu,
-                             signs=self.mapping.sign_bits, n_signs=self.mapping.n_signs)
-        q_bar = self.mapping.mean_query.unsqueeze(-2)
-        u = torch.where(q_bar == 0, torch.zeros_like(q), q / torch.where(q_bar == 0, torch.ones_like(q_bar), q_bar))
-        return FastTerms("aligned", u, u.sum(-1), mu=self.sampler.mu)
+            return KernelTerms("signed", aux_scale=self.mapping.query_norm.float().rsqrt(), mu=self.sampler.mu,
+                               sign_bits=self.mapping.sign_bits, n_signs=self.mapping.n_signs)
+        q_bar = self.mapping.mean_query.float()
+        scale = torch.where(q_bar == 0, torch.zeros_like(q_bar), 1 / torch.where(q_bar == 0, torch.ones_like(q_bar),
+                                                                                  q_bar))
+        return KernelTerms("aligned", aux_scale=scale, mu=self.sampler.mu)
 
     def nbytes(self) -> int:
         return self.sampler.nbytes() + self.mapping.nbytes()
@@ -193,7 +209,7 @@ class TokenFill:
     def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.values.to(dtype).unsqueeze(-1).expand(kept_mask.shape).clone()
 
-    def fast_terms(self, queries: torch.Tensor) -> str:
+    def kernel_terms(self) -> str:
         return "TokenFill refills values (no compact key path)"
 
     def nbytes(self) -> int:
@@ -209,10 +225,9 @@ class ConstantFill:
     def fill(self, kept_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.full(kept_mask.shape, self.value, dtype=dtype, device=kept_mask.device)
 
-    def fast_terms(self, queries: torch.Tensor) -> FastTerms:
+    def kernel_terms(self) -> KernelTerms:
         """``value · (Σ_c q_c − Σ_{kept} q_c)``."""
-        q = queries.float()
-        return FastTerms("constant", q, q.sum(-1), fill=self.value)
+        return KernelTerms("constant", fill=self.value)
 
     def nbytes(self) -> int:
         return 0

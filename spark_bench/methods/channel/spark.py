@@ -20,7 +20,11 @@ Which channels each token keeps (``variant=``, §5.5):
   total; the token falls in bucket 0…4 by ``n* ≤ int(0.2·D) / ≤ int(0.4·D) / ≤ int(0.6·D) / ≤ int(0.8·D) / above``
   and keeps its top ``int(0.1·D) / int(0.3·D) / int(0.5·D) / int(0.7·D) / int(0.9·D)`` channels; the grouped
   recovery (``exponential_attn_grouped`` with averaging) is the degenerate one with μ over the token's pruned
-  channels, i.e. ``recovery=degenerate``. ``groups`` is not used.
+  channels, i.e. ``recovery=degenerate``. ``groups`` is not used. But the official ``eval.py`` never sets
+  ``pooling_ratio`` for SparK-g (an ``elif`` after ``threshold_ratio``), so what its runs — the paper's SparK-g row
+  — computed is ``keys * mask``: pruned entries read as zeros. ``group_fork_fill`` (set by the protocol) picks:
+  ``zero`` (``protocol=official``, the default of the runs) or ``recovery`` (``protocol=paper``: the ``recovery``
+  option, degenerate by default).
 
 Pruned entries are refilled at attention time by the recovery function (``recovery=``, see :mod:`.recovery`, and
 :mod:`.fork_recovery` for the official code's own distribution draws).
@@ -37,7 +41,8 @@ from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods.base import ChannelMethod
 from spark_bench.methods.channel.fork_recovery import FORK_MODES, build_fork_recovery
 from spark_bench.methods.channel.recovery import (
-    RECOVERY_MODES, STATS, AlignedKey, ConstantFill, SampledRecovery, SignedKey, build_sampler,
+    RECOVERY_MODES, STATS, AlignedKey, ConstantFill, DegenerateScores, SampledRecovery, SignedKey, build_sampler,
+    pool0_mean_saliency,
 )
 from spark_bench.storage.bits import pack_bits, unpack_bits
 from spark_bench.storage.stores import UnstructuredStore
@@ -45,6 +50,7 @@ from spark_bench.storage.stores import UnstructuredStore
 SALIENCY_MODES = ("official", "paper")
 SALIENCY_DTYPES = ("float32", "model")  # saliency arithmetic: float32, or the keys' dtype as the official code
 VARIANTS = ("fixed", "top_p", "group", "group_fork")
+GROUP_FORK_FILLS = ("recovery", "zero")  # group_fork's refill: the recovery option (paper) or zeros (official runs)
 GROUP_RATIOS = {4: (0.25, 0.5, 0.75, 1.0), 5: (0.1, 0.3, 0.5, 0.7, 0.9)}  # paper §5.5, most → least salient
 FORK_BUCKETS = (0.2, 0.4, 0.6, 0.8)       # dynamic_group: n* bounds, fractions of D (inclusive)
 FORK_KEEP = (0.1, 0.3, 0.5, 0.7, 0.9)     # … and the fraction of D each bucket keeps
@@ -101,7 +107,7 @@ class SparK(ChannelMethod):
             raise ValueError(f"recovery_stats must be one of {STATS}, got {self.recovery_stats!r}")
         if self.saliency_dtype not in SALIENCY_DTYPES:
             raise ValueError(f"saliency_dtype must be one of {SALIENCY_DTYPES}, got {self.saliency_dtype!r}")
-        if self.recovery in FORK_MODES and self.saliency != "official":
+        if (self.recovery in FORK_MODES or self.recovery == "fork_pool0") and self.saliency != "official":
             raise ValueError(f"recovery={self.recovery} is the official code's and inverts its saliency k²·‖q‖; "
                              "it needs saliency=official")
 
@@ -151,6 +157,9 @@ class SparK(ChannelMethod):
             return ConstantFill(self.constant)
         if self.recovery in FORK_MODES:
             return build_fork_recovery(self.recovery, keys, mask, saliency, stat, seed)
+        if self.recovery == "fork_pool0":
+            mu = pool0_mean_saliency(saliency, max(1, int(self.ratio * keys.shape[-1])))
+            return SampledRecovery(DegenerateScores(mu.to(keys.dtype)), SignedKey.build(keys, mask, stat))
         sampler = build_sampler(self.recovery, saliency, mask, keys.dtype, seed, self.recovery_stats)
         mapping = SignedKey.build(keys, mask, stat) if self.saliency == "official" else AlignedKey(stat)
         return SampledRecovery(sampler, mapping)

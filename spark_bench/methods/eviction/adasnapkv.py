@@ -43,7 +43,7 @@ class AdaSnapKV(SnapKV):
 
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         b, h, s, _ = layer.keys.shape
-        n_keep = resolve_budget(self.budget, s)
+        n_keep = resolve_budget(self.budget, s, self.rounding)
         w = min(self.window_size, s)
         if n_keep >= s:
             return None

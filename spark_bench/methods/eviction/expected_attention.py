@@ -27,6 +27,7 @@ N_FUTURE_POSITIONS = 512
 @dataclass(frozen=True)
 class ExpectedAttention(EvictionMethod):
     budget: float
+    rounding: str = "exact"  # fraction budgets: resolve_budget's rounding (budget_rounding)
     n_sink: int = N_SINK
     use_covariance: bool = True
     use_vnorm: bool = True
@@ -49,7 +50,7 @@ class ExpectedAttention(EvictionMethod):
 
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         s = layer.keys.shape[-2]
-        n_keep = resolve_budget(self.budget, s)
+        n_keep = resolve_budget(self.budget, s, self.rounding)
         if n_keep >= s:
             return None
         if n_keep <= self.n_sink:

@@ -88,6 +88,6 @@ class PyramidKV(SnapKV):
         if self.fallback == "kvpress":
             ramp = kvpress_budgets(self.budget, prompt_length, window, num_layers, self.beta)
             return max(1, min(ramp[layer_idx], prompt_length))
-        budget = resolve_budget(self.budget, prompt_length)
+        budget = resolve_budget(self.budget, prompt_length)  # its own rule; the fork's matches (no budget_rounding)
         ramp = pyramid_budgets(budget, prompt_length, window, num_layers, self.beta, self.fallback)
         return min(ramp[layer_idx], prompt_length)

@@ -19,11 +19,25 @@ from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods.base import EvictionMethod, TokenSelection, top_tokens
 
 
-def resolve_budget(budget: float, prompt_length: int) -> int:
-    """KV budget in tokens: an integer ≥ 1 is a token count, a value in (0, 1) a fraction of the prompt."""
+BUDGET_ROUNDINGS = ("exact", "official")
+
+
+def resolve_budget(budget: float, prompt_length: int, rounding: str = "exact") -> int:
+    """KV budget in tokens: an integer ≥ 1 is a token count, a value in (0, 1) a fraction of the prompt.
+
+    ``rounding`` of a fraction ``b`` (``budget_rounding``): ``exact`` keeps ``int(S·b)``; ``official`` keeps what
+    the official SparK code keeps, ``int(S·(1 − compression_ratio))`` with ``compression_ratio = 1 − b``
+    (kvpress ``ScorerPress.compress``, ``AdaKVPress``), evaluated in floating point: at ``b = 0.2`` (and 0.1)
+    ``1 − (1 − b)`` is a hair below ``b`` (0.19999999999999996), so every ``S`` divisible by 5 keeps ``S/5 − 1``.
+    Token budgets are integers and unaffected."""
     if budget <= 0:
         raise ValueError(f"budget must be > 0 (tokens, or a fraction in (0, 1)), got {budget}")
-    n = int(prompt_length * budget) if budget < 1 else int(budget)
+    if rounding not in BUDGET_ROUNDINGS:
+        raise ValueError(f"budget_rounding must be one of {', '.join(BUDGET_ROUNDINGS)}; got {rounding!r}")
+    if budget >= 1:
+        n = int(budget)
+    else:
+        n = int(prompt_length * (1 - (1 - budget))) if rounding == "official" else int(prompt_length * budget)
     return min(n, prompt_length)
 
 
@@ -53,6 +67,7 @@ class SnapKV(EvictionMethod):
     window_size: int = 32
     kernel_size: int = 7
     pooling: str = "max"
+    rounding: str = "exact"  # fraction budgets: resolve_budget's rounding (PyramidKV keeps its own rule)
 
     def __post_init__(self):
         if self.pooling not in ("max", "avg"):
@@ -78,7 +93,7 @@ class SnapKV(EvictionMethod):
 
     def layer_budget(self, prompt_length: int, layer_idx: int, num_layers: int) -> int:
         """Tokens this layer keeps (the same for every layer; PyramidKV overrides this)."""
-        return resolve_budget(self.budget, prompt_length)
+        return resolve_budget(self.budget, prompt_length, self.rounding)
 
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         s = layer.keys.shape[-2]

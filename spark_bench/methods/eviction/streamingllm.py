@@ -18,11 +18,12 @@ from spark_bench.methods.eviction.snapkv import resolve_budget
 @dataclass(frozen=True)
 class StreamingLLM(EvictionMethod):
     budget: float
+    rounding: str = "exact"  # fraction budgets: resolve_budget's rounding (budget_rounding)
     n_sink: int = 4
 
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         b, h, s, _ = layer.keys.shape
-        n_keep = resolve_budget(self.budget, s)
+        n_keep = resolve_budget(self.budget, s, self.rounding)
         if n_keep >= s:
             return None
         if n_keep <= self.n_sink:

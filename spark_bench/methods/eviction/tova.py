@@ -19,10 +19,11 @@ from spark_bench.methods.eviction.snapkv import resolve_budget, window_attention
 @dataclass(frozen=True)
 class TOVA(EvictionMethod):
     budget: float
+    rounding: str = "exact"  # fraction budgets: resolve_budget's rounding (budget_rounding)
 
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         b, h, s, _ = layer.keys.shape
-        n_keep = resolve_budget(self.budget, s)
+        n_keep = resolve_budget(self.budget, s, self.rounding)
         if n_keep >= s:
             return None
         scores = window_attention(layer, 1)[..., 0, :-1].mean(dim=1, keepdim=True).expand(b, h, s - 1)

@@ -1,0 +1,163 @@
+"""What a run costs, said before a GPU is booked (``dry_run=true``): samples, configs, decode forwards, KV memory per
+sample and an estimate of hours, from a cost model whose constants were measured by ``make bench``.
+
+The work of a run (``runner.run_samples``): one prefill per sample, then every method config of the sample decodes
+in one batch (one model forward per step, at most the task's ``max_new_tokens`` steps). So
+
+* prefill: ``Σ_samples (2·P·S + 2·L·S²·H·D)`` FLOPs (:func:`prefill_flops`: ``P`` parameters; ``S`` the prompt,
+  the longest a task allows, a bound; the second term is causal attention, ``L`` layers of ``H`` query heads of
+  ``D`` channels, which dominates at long prompts);
+* decode: at most ``Σ_samples max_new_tokens`` forwards; a forward over compressed caches dispatches a number of
+  operations that does not depend on the number of configs (stacked rows, ``scripts/bench/ops.py``), and a small
+  decode batch on a GPU is bound by what it dispatches: step time = ops per step × time per op, the ops scaled by
+  the model's layer count from the measured SmolLM2 count (30 layers);
+* memory: the prefill's dense KV at ``S`` plus every config's compressed cache of one sample
+  (:func:`spark_bench.memory.plan`, the real stores' bytes).
+
+The constants (:data:`DEVICES`) are copies of measured figures, each with the file and field it came from; a test
+checks them against the tracked files. They are bounds and estimates, not promises: the H100 figures were measured
+on a 135M-parameter model, so the prefill throughput is far below what an 8B model reaches (an upper bound on
+prefill hours), and a larger model's step may be bound by reading its weights (``P·bytes / bandwidth``, the
+bandwidth a spec-sheet figure, used only when it exceeds the dispatch bound).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from spark_bench.memory import GIB, Arch, plan as memory_plan
+from spark_bench.methods import MethodConfig
+from spark_bench.models import ModelConfig
+
+# LongBench v1 records per task (the official data/<task>.jsonl files; 3,750 for the 16 English tasks)
+LONGBENCH_RECORDS = {
+    "narrativeqa": 200, "qasper": 200, "multifieldqa_en": 150, "hotpotqa": 200, "2wikimqa": 200, "musique": 200,
+    "gov_report": 200, "qmsum": 200, "multi_news": 200, "trec": 200, "triviaqa": 200, "samsum": 200,
+    "passage_count": 200, "passage_retrieval_en": 200, "lcc": 500, "repobench-p": 500,
+}
+# RULER's tokens_to_generate per task
+RULER_NEW_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}
+SMOLLM2_LAYERS = 30  # the model the operation counts were measured on
+
+
+def prefill_flops(num_params: float, num_layers: int, num_heads: int, head_dim: int, tokens: int) -> float:
+    """FLOPs of one prefill: the linear layers (2·P per token) and causal attention (QKᵀ and PV over half the S²
+    pairs, 2·2·½ FLOPs per pair, channel and query head)."""
+    return 2 * num_params * tokens + 2 * num_layers * tokens ** 2 * num_heads * head_dim
+
+
+SMOLLM2_PREFILL = prefill_flops(134.5e6, SMOLLM2_LAYERS, 9, 64, 1912)  # one 1912-token prompt of the H100 bench
+
+
+@dataclass(frozen=True)
+class Device:
+    """Measured cost constants of one device (``source`` names where each came from)."""
+
+    name: str
+    us_per_op: float            # time per dispatched operation in a small decode batch (launch / dispatch bound)
+    ops_per_layer_step: float   # operations a stacked decode step dispatches, per decoder layer
+    prefill_flops: float        # effective prefill FLOP/s
+    bandwidth: float | None     # bytes/s of device memory (weights read per step), if known
+    source: str
+
+
+DEVICES = {
+    "h100": Device(
+        "NVIDIA H100 80GB (measured on a 135M model, fp32)",
+        us_per_op=1000 * 23.3 / 1677,  # decode_h100.json step_fourteen.dense_dynamic_cache_step_ms / ops.json dense
+        ops_per_layer_step=1990.25 / SMOLLM2_LAYERS,  # ops.json fourteen.stacked.ops_per_step (SmolLM2, 30 layers)
+        prefill_flops=SMOLLM2_PREFILL * 8 / 0.24,  # decode_h100.json fourteen.batched.prefill_s: 8 × 1912 tokens
+        bandwidth=3.35e12,  # H100 SXM HBM3 spec sheet (not measured here)
+        source="results/bench/decode_h100.json (H100) and results/bench/ops.json (operation counts)"),
+    "cpu": Device(
+        "this 2-core CPU (SmolLM2-135M, fp32)",
+        us_per_op=1000 * 54.59 / 1677,  # decode.json weights_step_ms["1"] (one-token cache) / ops.json dense
+        ops_per_layer_step=1990.25 / SMOLLM2_LAYERS,
+        prefill_flops=125e9,  # README/decode.json: this CPU's matrix multiplies at 125 GFLOP/s (the prefill's linears)
+        bandwidth=4 * 134.5e6 / 0.05459,  # decode.json weights_step_ms["1"]: SmolLM2's fp32 weights read per step
+        source="results/bench/decode.json (this CPU) and results/bench/ops.json"),
+}
+
+
+@dataclass(frozen=True)
+class TaskWork:
+    task: str
+    samples: int
+    new_tokens: int
+    source: str  # "data" (counted in the data) or "published" (the benchmark's own count)
+
+
+def longbench_work(cfg) -> list[TaskWork]:
+    from spark_bench.benchmarks.longbench import KVPRESS_EXTRA_TOKENS, TASKS
+
+    tasks = list(cfg.benchmark.get("tasks") or TASKS)
+    cap = cfg.benchmark.get("num_samples")
+    extra = KVPRESS_EXTRA_TOKENS if cfg.longbench.get("protocol") == "kvpress" else 0
+    data_dir = cfg.longbench.get("data_dir")
+    out = []
+    for task in tasks:
+        path = Path(data_dir) / f"{task}.jsonl" if data_dir else None
+        if path is not None and path.is_file():
+            count, source = sum(1 for line in path.open(encoding="utf-8") if line.strip()), "data"
+        else:
+            count, source = LONGBENCH_RECORDS[task], "published"
+        out.append(TaskWork(task, min(count, cap) if cap else count, TASKS[task].max_new_tokens + extra, source))
+    return out
+
+
+def ruler_work(cfg, tasks: list[str]) -> list[TaskWork]:
+    n = cfg.benchmark.get("num_samples") or 1
+    fixed = cfg.benchmark.get("max_new_tokens")
+    return [TaskWork(task, n, fixed or RULER_NEW_TOKENS[task.split("_")[0]], "configured") for task in tasks]
+
+
+@dataclass(frozen=True)
+class Cost:
+    samples: int
+    configs: int
+    prompt_tokens: int
+    decode_forwards: int
+    kv_gib_per_sample: float
+    weights_gib: float
+    hours: dict[str, tuple[float, float]]  # device → (prefill hours, decode hours)
+
+    def lines(self) -> list[str]:
+        out = [f"plan: {self.samples} samples × {self.configs} configs; prompts ≤ {self.prompt_tokens} tokens; "
+               f"≤ {self.decode_forwards} decode forwards (every config of a sample in one batch)",
+               f"plan: KV per sample ≤ {self.kv_gib_per_sample:.2f} GiB (prefill + every config's compressed cache), "
+               f"weights {self.weights_gib:.1f} GiB"]
+        for key, (prefill, decode) in self.hours.items():
+            device = DEVICES[key]
+            out.append(f"plan: ≈ {prefill + decode:.1f} h on {device.name}: prefill ≤ {prefill:.1f} h, decode "
+                       f"≈ {decode:.1f} h (constants: {device.source})")
+        return out
+
+
+def estimate(model: ModelConfig, configs: list[MethodConfig], work: list[TaskWork], prompt_tokens: int) -> Cost:
+    """The cost of running ``configs`` on ``work`` with prompts of at most ``prompt_tokens``."""
+    arch = Arch.of(model)
+    samples = sum(w.samples for w in work)
+    forwards = sum(w.samples * w.new_tokens for w in work)
+    gen = max((w.new_tokens for w in work), default=0)
+    plans = [memory_plan(c, model, prompt_tokens, gen, 80.0) for c in configs]
+    full = memory_plan(MethodConfig(name="full"), model, prompt_tokens, 0, 80.0)
+    kv = full.kv_bytes_per_sequence + sum(p.kv_bytes_per_sequence for p in plans)
+    weights = plans[0].weights_bytes if plans else full.weights_bytes
+    hours = {}
+    for key, device in DEVICES.items():
+        flops = prefill_flops(arch.num_params, arch.num_layers, arch.num_heads, arch.head_dim, prompt_tokens)
+        prefill_s = samples * flops / device.prefill_flops
+        step_s = device.us_per_op * 1e-6 * device.ops_per_layer_step * arch.num_layers
+        if device.bandwidth:
+            step_s = max(step_s, weights / device.bandwidth)
+        hours[key] = (prefill_s / 3600, forwards * step_s / 3600)
+    return Cost(samples, len(configs), prompt_tokens, forwards, kv / GIB, weights / GIB, hours)
+
+
+def measured_sources(root: Path) -> dict:
+    """The tracked figures the constants were copied from (for the test that keeps them in sync)."""
+    bench = root / "results" / "bench"
+    return {name: json.loads((bench / f"{name}.json").read_text()) for name in ("decode_h100", "decode", "ops")
+            if (bench / f"{name}.json").is_file()}
