@@ -359,10 +359,6 @@ class BatchedLayer(CacheLayerMixin):
                               q_len)
         return merge([prompt, tail], query.dtype).reshape(r, hq, q_len, d).transpose(1, 2)
 
-    def nbytes(self) -> int:
-        """Bytes of the batch's stacks (the copy of the stacked rows' stores it reads during decoding)."""
-        return (self.key_stack.nbytes() + self.value_stack.nbytes()) if self.key_stack is not None else 0
-
     def get_seq_length(self) -> int:
         return max(self.lengths) + self.length
 
@@ -396,10 +392,6 @@ class BatchedCache(Cache):
     def keep(self, rows: list[int]) -> None:
         for layer in self.layers:
             layer.keep(rows)
-
-    def nbytes(self) -> int:
-        """Bytes of every layer's stacks."""
-        return sum(layer.nbytes() for layer in self.layers)
 
     @staticmethod
     def order(caches: list[CompressedCache], stack: bool = True) -> list[int]:

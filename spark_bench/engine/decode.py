@@ -23,14 +23,6 @@ from spark_bench.engine.attention import compressed_attention_enabled
 from spark_bench.engine.cache import BatchedCache, CompressedCache
 
 
-def pick(logits: torch.Tensor, banned: frozenset[int] | set[int] = frozenset()) -> int:
-    """Greedy choice, never one of ``banned`` (used for ``min_new_tokens``, like transformers' min_length)."""
-    if banned:
-        logits = logits.clone()
-        logits[list(banned)] = float("-inf")
-    return int(logits.argmax())
-
-
 def choose_all(logits: torch.Tensor, rows: list["DecodeRow"]) -> tuple[torch.Tensor, list[int]]:
     """Greedy choice of every row at once on the logits' device: ``logits (R, V)`` → the chosen ids ``(R,)`` (left
     on the device, the next step's input) and the same ids on the host, read in one transfer per step. A row still
@@ -63,9 +55,6 @@ class DecodeRow:
     suffix: tuple[int, ...] = ()
     tokens: list[int] = field(default_factory=list)
     forward_s: float = 0.0  # this row's share of the batched forward passes (seconds)
-
-    def choose(self, logits: torch.Tensor) -> int:
-        return pick(logits, self.stop_token_ids if len(self.tokens) < self.min_new_tokens else frozenset())
 
 
 def _step_rows(rows: list[DecodeRow], pending: list[int]) -> list[int]:

@@ -191,7 +191,6 @@ class SegmentStack:
                 scale = terms.aux_scale if terms.aux_scale is not None else torch.ones(b, h, d, device=device)
                 scales.append(scale.float().reshape(b * h, d))
             qh += b * h
-        self.query_heads = qh
         self.row_heads = first.shape[0] * first.shape[1]  # query-head blocks per row (B·H)
         self.dtype = first.dtype
         self.device = device
@@ -250,7 +249,6 @@ class SegmentStack:
                       [f for _, f, _ in picked], [kc for _, _, kc in picked])
         heads = torch.tensor([r * k + j for r in rows for j in range(k)], device=self.device)
         out.aux_scale = self.aux_scale.index_select(0, heads)
-        out.query_heads = len(rows) * k
         return out
 
     def nbytes(self) -> int:
@@ -329,7 +327,6 @@ class ValueStack:
             qh += b * h
         self.row_heads = first.shape[0] * first.shape[1]
         self._set_rows(rows)
-        self.query_heads = qh
         self._flat = None
         self._backend = None
 
@@ -360,12 +357,7 @@ class ValueStack:
         out = object.__new__(ValueStack)
         out.__dict__.update(self.__dict__)
         out._set_rows([(keep[seg[0] // k] * k + seg[0] % k, *seg[1:]) for seg in self._rows if seg[0] // k in keep])
-        out.query_heads = len(rows) * k
         return out
-
-    def nbytes(self) -> int:
-        """Bytes the stack adds to its rows' values (the table, and the Triton layout's copy once it exists)."""
-        return tensor_bytes(self.table) + (tensor_bytes(self._flat[0]) if self._flat and len(self.parts) > 1 else 0)
 
     def apply(self, weights: torch.Tensor, tail: torch.Tensor | None = None, tail_len: int = 0) -> torch.Tensor:
         """``weights (ΣB, H, G, W)`` float32 (W ≥ every row's length; the prompt's weights first) →
