@@ -309,7 +309,7 @@ class ValueStack:
         self.heads, self.head_dim, self.width = first.shape[1], first.shape[-1], width
         self.device, self.dtype = first.device, first.dtype
         unique: dict[int, int] = {}
-        self.parts, self._flat_off, rows, qh = [], [], [], 0
+        self.parts, strided, rows, qh = [], [], [], 0  # strided: each part's per-head offsets
         for store in stores:
             data = store.data
             b, h, s, d = data.shape
@@ -320,10 +320,10 @@ class ValueStack:
                     data = data.contiguous()
                 unique[id(store.data)] = len(self.parts)
                 self.parts.append(data)
-                self._flat_off.append([(i // h) * data.stride(0) + (i % h) * data.stride(1) for i in range(b * h)])
+                strided.append([(i // h) * data.stride(0) + (i % h) * data.stride(1) for i in range(b * h)])
             part = unique[id(store.data)]
             for i in range(b * h):
-                rows.append((qh + i, 0, s, part, self._flat_off[part][i], i * s * d))
+                rows.append((qh + i, 0, s, part, strided[part][i], i * s * d))
             qh += b * h
         self.row_heads = first.shape[0] * first.shape[1]
         self._set_rows(rows)
