@@ -135,6 +135,14 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
                           f"got {decode_samples!r}")
     if not isinstance(cfg.get("decode_stack", True), bool):
         raise ConfigError(f"decode_stack must be true or false, got {cfg.get('decode_stack')!r}")
+    mem = cfg.get("memory") or {}
+    if not isinstance(mem.get("check", True), bool):
+        raise ConfigError(f"memory.check must be true or false, got {mem.get('check')!r}")
+    limit = mem.get("limit_gib")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+        raise ConfigError(f"memory.limit_gib must be a positive number of GiB or null (each device's free memory), "
+                          f"got {limit!r}")
+    resolve_device(cfg.get("device", "auto"), model)
     b = cfg.benchmark
     if b.name not in BENCHMARKS:
         raise ConfigError(f"benchmark.name={b.name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
@@ -195,6 +203,69 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
         if c.eviction_name in SINKED and tokens is not None and tokens <= c.n_sink:
             raise ConfigError(f"{where}: budget={c.budget:g} ({tokens} tokens) must exceed n_sink={c.n_sink}")
     return model, configs
+
+
+def resolve_device(name, model: ModelConfig) -> str:
+    """The run's device: ``auto`` → ``cuda`` when a GPU is visible, else ``cpu``; ``cuda`` / ``cuda:N`` only when
+    that GPU exists. A device map (``model.device_map``) places the model itself over the GPUs (then the CPU), so
+    it goes with ``device=auto`` or ``cuda``."""
+    import torch
+
+    text = str(name)
+    valid = "auto, cpu, cuda, cuda:N"
+    if text not in ("auto", "cpu", "cuda") and not (text.startswith("cuda:") and text[5:].isdigit()):
+        raise ConfigError(f"device must be one of {valid}; got {name!r}")
+    if text == "auto":
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    if text.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(text[5:]) if ":" in text else 0
+        if index >= count:
+            raise ConfigError(f"device={name}: this machine has {count} CUDA device(s); use device=auto or cpu")
+        text = f"cuda:{index}"
+    if model.device_map is not None and text == "cpu" and str(name) == "cpu":
+        raise ConfigError("device=cpu with model.device_map set: the device map places the model; use device=auto")
+    return text
+
+
+def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[MethodConfig], baseline: int = 0):
+    """The run's predicted peak (:func:`spark_bench.memory.choose_decode_batch`): for ``decode_batch`` when set,
+    else for the largest decode batch that fits each device's free memory (or ``memory.limit_gib``). Raises
+    :class:`ConfigError` (one line) when it does not fit and ``memory.check`` is on."""
+    from spark_bench import memory, plan
+    from spark_bench.engine.clock import free_memory
+
+    devices = memory.placement(model_cfg, resolve_device(cfg.get("device", "auto"), model_cfg))
+    tasks = [] if cfg.benchmark.get("data_file") else benchmark_tasks(cfg)
+    prompt, new = plan.run_bounds(cfg, model_cfg, tasks, {c.compress_scope for c in configs})
+    limit = cfg.memory.get("limit_gib")
+    if limit is None:
+        absent = [d.name for d in devices if d.name.startswith("cuda") and not _cuda_exists(d.name)]
+        if absent:
+            raise ConfigError(f"model.max_memory / model.device_map place the model on {', '.join(absent)}, which "
+                              f"this machine lacks; to predict for those GPUs, give their size: memory.limit_gib=80")
+    limits = {d.name: int(limit * memory.GIB) if limit is not None else free_memory(d.name) for d in devices}
+    prediction, over = memory.choose_decode_batch(model_cfg, configs, prompt, new, cfg.get("decode_batch"),
+                                                  cfg.get("decode_samples", 1), devices, limits, baseline)
+    if over and not cfg.memory.get("check", True):  # run anyway, as configured
+        return memory.predict_run(model_cfg, configs, prompt, new, cfg.get("decode_batch"),
+                                  cfg.get("decode_samples", 1), devices, baseline)
+    if over:
+        device, room = over[0]
+        what = "memory.limit_gib" if limit is not None else "free"
+        raise ConfigError(
+            f"memory: predicted peak {(device.peak - device.baseline) / memory.GIB:.1f} GiB on {device.device} exceeds "
+            f"its {room / memory.GIB:.1f} GiB {what} even at decode_batch={prediction.decode_batch} "
+            f"({device.line().split(' = ', 1)[1]}); lower decode_samples, decode_batch or the longest prompt "
+            f"(benchmark.length / longbench.max_length), or spread the model with model.device_map=auto "
+            f"(memory.check=false runs anyway)")
+    return prediction
+
+
+def _cuda_exists(name: str) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.device(name).index < torch.cuda.device_count()
 
 
 def source_lines(cfg: DictConfig, model: ModelConfig) -> list[str]:
@@ -324,12 +395,32 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
             print(f"  source: {line}", flush=True)
         for line in plan_lines(cfg, model_cfg, configs):
             print(f"  {line}", flush=True)
+        try:
+            prediction = memory_prediction(cfg, model_cfg, configs)
+        except (OSError, ValueError) as err:  # a device map needs the model's config.json, maybe not here yet
+            if isinstance(err, ConfigError):
+                raise
+            print(f"  memory: no prediction ({err})", flush=True)
+        else:
+            for line in prediction.lines():
+                print(f"  {line}", flush=True)
         return
+    from spark_bench.engine.clock import resident_now, return_freed_memory
+    from spark_bench.models import load_tokenizer
     from spark_bench.results import ResultsMismatch
     from spark_bench.runner import run_sweep
 
     start = time.perf_counter()
-    lm = load_model(model_cfg, cfg.device)
+    return_freed_memory()
+    load_tokenizer(model_cfg)  # (cached for load_model) part of the resident baseline the prediction starts from
+    prediction = memory_prediction(cfg, model_cfg, configs, baseline=resident_now())  # before the model loads
+    decode_batch = cfg.get("decode_batch")
+    if decode_batch is None and prediction.decode_batch < prediction.rows:
+        decode_batch = prediction.decode_batch
+        print(f"memory: decode_batch={decode_batch} (all {prediction.rows} rows together are predicted not to "
+              f"fit)", flush=True)
+    lm = load_model(model_cfg, resolve_device(cfg.device, model_cfg))
+    loaded = resident_now()
     try:
         samples = load_samples(cfg, lm)
         for scope in {c.compress_scope for c in configs}:  # every sample has the boundaries its scopes need
@@ -341,15 +432,35 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
     print(f"spark-bench: {lm.config.name} on {cfg.benchmark.name} ({len(samples)} samples) × "
           f"{len(configs)} method configs → {out_dir}\n  {protocol_line(cfg)}", flush=True)
     try:
-        run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True), payload=payload,
-                  progress=bool(cfg.get("progress", True)) and sys.stderr.isatty(),
-                  decode_batch=cfg.get("decode_batch"), decode_samples=cfg.get("decode_samples", 1),
-                  decode_stack=cfg.get("decode_stack", True))
+        predictions = run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True),
+                                payload=payload, progress=bool(cfg.get("progress", True)) and sys.stderr.isatty(),
+                                decode_batch=decode_batch, decode_samples=cfg.get("decode_samples", 1),
+                                decode_stack=cfg.get("decode_stack", True))
     except ResultsMismatch as err:
         raise ConfigError(str(err)) from None
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+    write_memory_report(out_dir / "memory.json", prediction, predictions, loaded)
     print(f"\n{(out_dir / 'table.md').read_text()}\nwall time {time.perf_counter() - start:.0f}s; "
           f"results in {out_dir}", flush=True)
+
+
+def write_memory_report(path: Path, prediction, predictions, loaded: int) -> None:
+    """``memory.json``: the peak predicted before the model loaded next to the largest peak measured per decode
+    batch (``peak_mem_bytes``: CUDA max allocated over the model's devices, CPU peak resident set), the process's
+    resident memory once the model had loaded (``loaded``: checks the baseline + weights part on the CPU), and a
+    line."""
+    import dataclasses
+
+    from spark_bench.memory import GIB
+
+    measured = int(predictions.peak_mem_bytes.max()) if len(predictions) else 0
+    report = {"predicted_peak_bytes": prediction.peak, "measured_peak_bytes": measured,
+              "measured_over_predicted": round(measured / prediction.peak, 4) if prediction.peak else None,
+              "resident_after_load_bytes": loaded,
+              "prediction": dataclasses.asdict(prediction)}
+    path.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    print(f"memory: measured peak {measured / GIB:.2f} GiB, predicted {prediction.peak / GIB:.2f} GiB "
+          f"({report['measured_over_predicted']}×)", flush=True)
 
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # the package's configs (shipped in the wheel)
@@ -425,19 +536,29 @@ def export() -> None:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _hydra_memory(cfg: DictConfig) -> None:
-    """KV bytes per sequence and the largest batch under ``memory.cap_gib`` for each method config (no model load)."""
-    from spark_bench.memory import plan, render, to_json
+    """Per method config: KV bytes per sequence and the largest batch under ``memory.cap_gib``; then the run's
+    predicted peak per device, as ``spark-bench`` predicts it before loading the model (no model load)."""
+    import dataclasses
+
+    from spark_bench import memory as planner
+    from spark_bench.plan import run_bounds
 
     try:
-        model = model_config(cfg)
+        model, configs = validate(cfg, sources=False)
         mem = cfg.memory
-        plans = [plan(c, model, mem.seq_len, mem.gen_len, mem.cap_gib, mem.overhead_gib) for c in method_configs(cfg)]
-    except (ConfigError, ValueError) as err:
+        tasks = [] if cfg.benchmark.get("data_file") else benchmark_tasks(cfg)
+        prompt, _ = run_bounds(cfg, model, tasks, {c.compress_scope for c in configs})
+        seq_len = mem.seq_len or prompt
+        plans = [planner.plan(c, model, seq_len, mem.gen_len, mem.cap_gib, mem.overhead_gib) for c in configs]
+        prediction = memory_prediction(cfg, model, configs)
+    except (ConfigError, ValueError, OSError) as err:
         _fail("spark-bench-memory", cfg, err)
-    print(render(plans, model, mem.seq_len, mem.gen_len, mem.cap_gib))
+    print(planner.render(plans, model, seq_len, mem.gen_len, mem.cap_gib))
+    print("\n" + "\n".join(prediction.lines()))
     if mem.get("out"):
         Path(mem.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(mem.out).write_text(to_json(plans), encoding="utf-8")
+        Path(mem.out).write_text(json.dumps({"plans": [dataclasses.asdict(p) for p in plans],
+                                             "run": dataclasses.asdict(prediction)}, indent=1), encoding="utf-8")
 
 
 def memory() -> None:

@@ -1,10 +1,34 @@
-"""Memory planner: KV bytes per sequence and the largest batch under a memory cap, for any model × method.
+"""Memory planner: what a sweep holds at its peak, predicted before the model loads.
 
-Bytes come from the real stores, not from a formula: one synthetic layer (the model's kv-heads, head_dim and
-dtype, Gaussian keys/values, random window queries) is compressed by the method's pipeline at two prompt
-lengths with eviction off; the difference gives the bytes per stored token per kv-head and the intercept the
-per-head constants (query statistics). Eviction then sets how many prompt tokens each layer stores
-(``budget``: tokens or a fraction; PyramidKV's layers average to it); decoded tokens are stored densely.
+Two questions, both answered from the model's ``arch:`` block (every ``conf/model`` file has one) and the real
+stores, never from the model's weights:
+
+* :func:`plan` — one sequence: KV bytes per sequence and the largest batch under a cap, for one method config.
+* :func:`predict_run` — a whole run: the peak of one decode batch of a sweep (:class:`Footprint`), per device.
+
+Store bytes come from the real stores, not from a formula: one synthetic layer (the model's kv-heads, head_dim and
+dtype, Gaussian keys/values, random window queries) is compressed by each config's pipeline at two prompt lengths
+with eviction off (:func:`store_bytes`); the difference gives the key and value bytes per stored token per kv-head,
+the intercept the per-head constants (query statistics). Eviction then sets how many prompt tokens each layer stores
+(:meth:`~spark_bench.methods.base.EvictionMethod.stored_tokens`: the method's own budget rule, PyramidKV's ramp and
+its fallbacks included; AdaKV's padded heads as an upper bound).
+
+A run (``runner.run_samples``) holds at once, at its peak, the largest of three moments of a decode batch:
+
+1. *prefill*: the dense keys and values of the longest prompt and one decoder layer's activations
+   (:func:`prefill_work`: the residual stream, q/k/v with their RoPE temporaries and GQA copies, or the MLP's three
+   intermediate tensors; the query statistics of ExpectedAttention);
+2. *compression*: the prefill, the per-sample token scores every SnapKV-family config shares (``layer.memo``), the
+   compressed caches of the batch's rows built so far (tensors shared by configs with the same eviction counted
+   once, as the pipeline shares them), and one layer's scoring temporaries;
+3. *decode*: the batch's caches, its preallocated decoded tail (rows × capacity) and one layer's step temporaries
+   (the padded scores and softmax of every row, the keys the per-row path rebuilds); the prefill too while a row
+   still reads it (a ``full`` row, or rows of the sample in a later batch).
+
+Weights are ``num_params × bytes`` on one device, or split as Accelerate's device map places them
+(:func:`placement`); per-layer memory goes where its layer lives. On the CPU the measured peak is the process's
+resident set, so the prediction adds the process's resident memory when it is made (torch, transformers, the
+tokenizer). ``make bench`` compares predictions with measured peaks (``scripts/bench/memory.py``).
 
 ``spark-bench-memory model=llama3.1-8b method=snapkv+spark ratio=0.8 budget=0.2 memory.seq_len=8192``
 """
@@ -14,43 +38,120 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
 from spark_bench.engine.prefill import LayerPrefill, Prefill
 from spark_bench.methods import MethodConfig, Pipeline
-from spark_bench.methods.eviction.snapkv import resolve_budget
 from spark_bench.models import ModelConfig
 
 GIB = 1024 ** 3
+ARCH_KEYS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "num_params", "hidden_size",
+             "intermediate_size", "vocab_size")
 
 
 @dataclass(frozen=True)
 class Arch:
+    """The model's shape, from its ``arch:`` block (the values of its ``config.json``)."""
+
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     num_params: float
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    model_type: str = "llama"          # transformers' model type (the module tree Accelerate places)
+    tie_word_embeddings: bool = False  # the output layer shares the input embeddings (SmolLM2)
 
     @classmethod
     def of(cls, model: ModelConfig) -> "Arch":
-        if not model.arch:
-            raise ValueError(f"model {model.name} has no `arch:` block (num_layers, num_heads, num_kv_heads, "
-                             f"head_dim, num_params) in its conf/model file")
-        return cls(**model.arch)
+        missing = [k for k in ARCH_KEYS if k not in (model.arch or {})]
+        if missing:
+            raise ValueError(f"model {model.name}: its conf/model `arch:` block lacks {', '.join(missing)} (the "
+                             f"memory planner needs {', '.join(ARCH_KEYS)})")
+        extra = {k: model.arch[k] for k in ("model_type", "tie_word_embeddings") if k in model.arch}
+        return cls(**{k: model.arch[k] for k in ARCH_KEYS}, **extra)
+
+    def empty_model(self, dtype: str):
+        """A model of this shape with its weights on the meta device (no memory, no download): the module tree
+        and parameter sizes of the real one, for placing it before it loads."""
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(
+            self.model_type, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim, vocab_size=self.vocab_size,
+            tie_word_embeddings=self.tie_word_embeddings)
+        with init_empty_weights():
+            return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
 
 
-def _layer_bytes(cfg: MethodConfig, arch: Arch, dtype: torch.dtype, seq: int) -> int:
+# --------------------------------------------------------------------------------------------- store bytes
+
+
+@dataclass(frozen=True)
+class StoreBytes:
+    """One config's stores per kv-head and layer: bytes = ``per_token · stored tokens + const``."""
+
+    key_per_token: float
+    key_const: float
+    value_per_token: float
+    value_const: float
+    stacks: bool  # a compact kernel serves its stores (decode reads them in place; else it rebuilds its keys per step)
+
+    @property
+    def per_token(self) -> float:
+        return self.key_per_token + self.value_per_token
+
+    @property
+    def const(self) -> float:
+        return self.key_const + self.value_const
+
+
+def _synthetic_layer(cfg: MethodConfig, arch: Arch, dtype: torch.dtype, seq: int):
     g = torch.Generator().manual_seed(seq)
     shape = (1, arch.num_kv_heads, seq, arch.head_dim)
     keys, values = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
     window = torch.randn(1, arch.num_heads, min(cfg.observation_window, seq), arch.head_dim, generator=g).to(dtype)
     prefill = Prefill((LayerPrefill(keys, values, window),), seq, torch.zeros(1), 0.0)
     no_eviction = dataclasses.replace(cfg, name=cfg.channel_name or "full")
-    cache, _ = Pipeline.from_config(no_eviction).build_cache(prefill)
-    return cache.nbytes()
+    return Pipeline.from_config(no_eviction).build_cache(prefill)[0].layers[0]
+
+
+@lru_cache(maxsize=512)
+def store_bytes(cfg: MethodConfig, arch: Arch, dtype: str) -> StoreBytes:
+    """Key and value bytes per stored token and per kv-head (and the constants), measured on the real stores."""
+    from spark_bench.engine.cache import stackable
+    from spark_bench.storage.segments import compact_backend
+
+    short, long = 1024, 2048
+    a = _synthetic_layer(cfg, arch, getattr(torch, dtype), short)
+    b = _synthetic_layer(cfg, arch, getattr(torch, dtype), long)
+    h = arch.num_kv_heads
+
+    def fit(x_short: int, x_long: int) -> tuple[float, float]:
+        per = (x_long - x_short) / (long - short) / h
+        return per, (x_short - per * short * h) / h
+
+    kp, kc = fit(a.key_store.nbytes(), b.key_store.nbytes())
+    vp, vc = fit(a.value_store.nbytes(), b.value_store.nbytes())
+    return StoreBytes(kp, kc, vp, vc, stackable(a, compact_backend(torch.device("cpu"))) is None)
+
+
+def stored_tokens(cfg: MethodConfig, arch: Arch, seq_len: int) -> list[int]:
+    """Prompt tokens each layer stores under ``cfg``'s eviction (all of them without one)."""
+    eviction = Pipeline.from_config(cfg).eviction
+    if eviction is None:
+        return [seq_len] * arch.num_layers
+    return [eviction.stored_tokens(seq_len, i, arch.num_layers, arch.num_kv_heads) for i in range(arch.num_layers)]
+
+
+# --------------------------------------------------------------------------------------------- one sequence
 
 
 @dataclass(frozen=True)
@@ -58,7 +159,7 @@ class Plan:
     method: str
     bytes_per_token_per_kv_head: float   # keys + values of one stored prompt token, one kv-head, one layer
     bytes_per_head_const: float          # per kv-head per layer, independent of length (query statistics)
-    stored_prompt_tokens: int
+    stored_prompt_tokens: int            # averaged over the layers (PyramidKV's differ)
     kv_bytes_per_sequence: float
     weights_bytes: float
     max_batch: int
@@ -71,18 +172,17 @@ class Plan:
 
 def plan(cfg: MethodConfig, model: ModelConfig, seq_len: int, gen_len: int, cap_gib: float,
          overhead_gib: float = 0.0) -> Plan:
+    """One sequence of ``seq_len`` prompt + ``gen_len`` decoded tokens under ``cfg``: KV bytes (this config's own
+    stores, shared tensors included) and the largest batch of such sequences under ``cap_gib`` after the weights."""
     arch, dtype = Arch.of(model), getattr(torch, model.dtype)
-    short, long = 1024, 2048
-    b_short, b_long = _layer_bytes(cfg, arch, dtype, short), _layer_bytes(cfg, arch, dtype, long)
-    per_token = (b_long - b_short) / (long - short) / arch.num_kv_heads
-    const = (b_short - per_token * short * arch.num_kv_heads) / arch.num_kv_heads
-    stored = resolve_budget(cfg.budget, seq_len) if cfg.eviction_name else seq_len
+    sb = store_bytes(cfg, arch, model.dtype)
+    stored = stored_tokens(cfg, arch, seq_len)
     dense_token = 2 * arch.head_dim * dtype.itemsize  # a decoded token: dense key + value
-    per_layer = arch.num_kv_heads * (const + per_token * stored + dense_token * gen_len)
-    per_seq = arch.num_layers * per_layer
+    per_seq = sum(arch.num_kv_heads * (sb.const + sb.per_token * n + dense_token * gen_len) for n in stored)
     weights = arch.num_params * dtype.itemsize
     free = cap_gib * GIB - weights - overhead_gib * GIB
-    return Plan(cfg.label, per_token, const, stored, per_seq, weights, max(0, math.floor(free / per_seq)))
+    return Plan(cfg.label, sb.per_token, sb.const, round(sum(stored) / len(stored)), per_seq, weights,
+                max(0, math.floor(free / per_seq)))
 
 
 def render(plans: list[Plan], model: ModelConfig, seq_len: int, gen_len: int, cap_gib: float) -> str:
@@ -93,5 +193,215 @@ def render(plans: list[Plan], model: ModelConfig, seq_len: int, gen_len: int, ca
     return "\n".join(lines)
 
 
-def to_json(plans: list[Plan]) -> str:
-    return json.dumps([dataclasses.asdict(p) for p in plans], indent=1)
+
+
+# --------------------------------------------------------------------------------------------- a run
+
+
+def prefill_work(arch: Arch, seq_len: int, itemsize: int, query_stats: bool) -> int:
+    """Bytes of one decoder layer's temporaries during the prefill of ``seq_len`` tokens: the larger of attention
+    (residual + normed input; q, k, v and their RoPE temporaries, and the GQA copies of k, v the attention function
+    makes: 4·(H_q + H_kv)·D per token) and the MLP (residual + normed input; gate, up and their product: 3·I per
+    token), plus ExpectedAttention's float32 queries of the whole prompt and their centred copy."""
+    attention = 2 * arch.hidden_size + 4 * (arch.num_heads + arch.num_kv_heads) * arch.head_dim
+    mlp = 2 * arch.hidden_size + 3 * arch.intermediate_size
+    stats = 2 * arch.num_heads * arch.head_dim * 4 if query_stats else 0
+    return seq_len * (max(attention, mlp) * itemsize + stats)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Predicted bytes of one run's peak (one decode batch), for one device (``layers`` of the model's layers)."""
+
+    device: str
+    layers: int
+    weights: int
+    prefill_kv: int      # the dense keys and values of the longest prompt
+    prefill_work: int    # one layer's prefill temporaries (+ captured window queries)
+    memo: int            # the sample's shared token scores
+    caches: int          # the compressed caches of the largest decode batch
+    compress_work: int   # one layer's scoring temporaries
+    tail: int            # the batch's decoded tail
+    step_work: int       # one layer's decode-step temporaries
+    holds_prefill: bool  # the prefill is alive while the batch decodes
+    baseline: int = 0    # CPU: the process's resident memory when predicted (what the measured peak starts from)
+
+    @property
+    def moments(self) -> dict[str, int]:
+        held = self.prefill_kv if self.holds_prefill else 0
+        return {"prefill": self.prefill_kv + self.prefill_work,
+                "compression": self.prefill_kv + self.memo + self.caches + self.compress_work,
+                "decode": held + self.caches + self.tail + self.step_work}
+
+    @property
+    def peak(self) -> int:
+        return self.baseline + self.weights + max(self.moments.values())
+
+    def line(self) -> str:
+        moment = max(self.moments, key=self.moments.get)
+        base = f"process {self.baseline / GIB:.2f} + " if self.baseline else ""
+        return (f"{self.device}: peak {self.peak / GIB:.2f} GiB at {moment} = {base}weights {self.weights / GIB:.2f}"
+                f" + prefill KV {self.prefill_kv / GIB:.2f}" + (
+                    f" + prefill work {self.prefill_work / GIB:.2f}" if moment == "prefill" else
+                    f" + scores {self.memo / GIB:.2f} + caches {self.caches / GIB:.2f} + work "
+                    f"{self.compress_work / GIB:.2f}" if moment == "compression" else
+                    f" (held: {self.holds_prefill}) + caches {self.caches / GIB:.2f} + tail {self.tail / GIB:.2f}"
+                    f" + step work {self.step_work / GIB:.2f}"))
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    prompt_tokens: int
+    new_tokens: int
+    rows: int                  # method configs × decode_samples: the rows a decode batch could hold
+    decode_batch: int          # rows per decode batch this prediction is for
+    devices: list[Footprint] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return sum(d.peak for d in self.devices)
+
+    def lines(self) -> list[str]:
+        head = (f"memory: prompts ≤ {self.prompt_tokens} tokens, ≤ {self.new_tokens} new; decode batches of "
+                f"{self.decode_batch} of {self.rows} rows; predicted peak {self.peak / GIB:.2f} GiB")
+        return [head] + [f"memory: {d.line()}" for d in self.devices]
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where part of the model lives: its weights' bytes and how many decoder layers."""
+
+    name: str
+    weights: int
+    layers: int
+    first: bool = True  # takes the input embeddings (the decode step's logits land on the last)
+    last: bool = True
+
+
+def _row_groups(configs: list[MethodConfig], arch: Arch, seq_len: int, dtype: str) -> dict:
+    """Per-layer bytes the rows of one sample hold, shared tensors once: ``{eviction: [bytes per layer]}``."""
+    pipelines = [Pipeline.from_config(c) for c in configs]
+    groups: dict = {}
+    for cfg, pipeline in zip(configs, pipelines):
+        groups.setdefault(pipeline.eviction, []).append(cfg)
+    h, d, itemsize = arch.num_kv_heads, arch.head_dim, getattr(torch, dtype).itemsize
+    out = {}
+    for eviction, members in groups.items():
+        stored = stored_tokens(members[0], arch, seq_len)
+        per_layer = []
+        for n in stored:
+            shared = 0 if eviction is None else h * n * d * itemsize  # the gathered tensors, one copy each
+            total = shared if any(c.value_ratio == 0 for c in members) else 0
+            total += shared if any(c.channel_name is None for c in members) else 0
+            if eviction is not None and hasattr(eviction, "safeguard"):
+                total += h * n // 8  # AdaKV's validity bits
+            for c in members:
+                sb = store_bytes(c, arch, dtype)
+                if c.channel_name is not None:
+                    total += h * (sb.key_per_token * n + sb.key_const)
+                if c.value_ratio:
+                    total += h * (sb.value_per_token * n + sb.value_const)
+            per_layer.append(total)
+        out[eviction] = per_layer
+    return out
+
+
+def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: int, new_tokens: int,
+                decode_batch: int | None, decode_samples: int, devices: list[Device] | None = None,
+                baseline: int = 0) -> RunPrediction:
+    """The peak of a run of ``configs`` (``decode_samples`` samples per decode group, ``decode_batch`` rows per
+    batch, None = all) on prompts of at most ``prompt_tokens`` tokens and at most ``new_tokens`` decoded ones
+    (suffixes included), on ``devices`` (default: one device with every layer). ``baseline``: resident bytes
+    already held (CPU)."""
+    arch, dtype = Arch.of(model), getattr(torch, model.dtype)
+    e = dtype.itemsize
+    s, lay = prompt_tokens, arch.num_layers
+    rows_total = len(configs) * decode_samples
+    batch = min(decode_batch or rows_total, rows_total)
+    devices = devices or [Device("cpu", int(arch.num_params * e), lay)]
+    # the worst batch: the rows of the plan (sample-major, config order) in chunks of `batch`
+    plan_rows = [(k, c) for k in range(decode_samples) for c in configs]
+    worst = 0
+    for start in range(0, len(plan_rows), batch):
+        chunk = plan_rows[start:start + batch]
+        total = 0
+        for k in {k for k, _ in chunk}:  # per sample, the groups its rows in this chunk use
+            mine = [c for kk, c in chunk if kk == k]
+            total += sum(sum(b) for b in _row_groups(mine, arch, s, model.dtype).values())
+        worst = max(worst, total)
+    holds = any(Pipeline.from_config(c).eviction is None for c in configs) or batch < len(configs)
+    h, hq, d = arch.num_kv_heads, arch.num_heads, arch.head_dim
+    window = max(c.observation_window for c in configs)
+    prefill_kv = lay * 2 * h * s * d * e
+    captured = lay * hq * window * d * e * (1 + len({c.compress_scope for c in configs}))
+    stats = any(Pipeline.from_config(c).query_stats for c in configs)
+    memo = lay * h * s * 4 * len({(c.window_size, c.kernel_size, c.pooling) for c in configs if c.eviction_name
+                                 in ("snapkv", "pyramidkv", "adasnapkv")})
+    compress_work = max([0] + [2 * hq * min(c.observation_window, s) * s * 4 + 2 * h * s * 4 for c in configs
+                               if c.eviction_name] + [3 * h * s * d * 4 for c in configs if c.channel_name])
+    capacity = new_tokens
+    tail = batch * lay * 2 * h * capacity * d * e
+    loose = sum(1 for _, c in plan_rows[:batch] if not store_bytes(c, arch, model.dtype).stacks)
+    step_work = 3 * batch * hq * (s + capacity) * 4 + loose * h * s * d * e
+    logits = 2 * batch * arch.vocab_size * 4
+    out = []
+    for dev in devices:
+        f = dev.layers / lay
+        out.append(Footprint(
+            dev.name, dev.layers, dev.weights, int(f * prefill_kv),
+            (prefill_work(arch, s, e, stats) if dev.layers else 0) + int(f * captured), int(f * memo), int(f * worst),
+            compress_work if dev.layers else 0, int(f * tail),
+            (step_work if dev.layers else 0) + (logits if dev.last else 0), holds,
+            baseline if dev.name == "cpu" else 0))
+    return RunPrediction(s, new_tokens, rows_total, batch, out)
+
+
+def placement(model: ModelConfig, device: str) -> list[Device]:
+    """Where the weights and layers go: all on ``device`` without a device map; else Accelerate's placement
+    (:func:`~spark_bench.models.infer_device_map`) of an empty model of the ``arch`` shape (:meth:`Arch.empty_model`),
+    each module's bytes on its device. ``disk`` weights take no device memory; their layers run on the CPU."""
+    import re
+
+    from accelerate.utils import compute_module_sizes
+
+    arch = Arch.of(model)
+    if model.device_map is None:
+        return [Device(str(device), int(arch.num_params * getattr(torch, model.dtype).itemsize), arch.num_layers)]
+    from spark_bench.models import infer_device_map
+
+    empty = arch.empty_model(model.dtype)
+    device_map = infer_device_map(empty, model)
+    sizes = compute_module_sizes(empty)
+    name = {k: ("cpu" if v == "disk" else f"cuda:{v}" if isinstance(v, int) else str(v)) for k, v in device_map.items()}
+    weights: dict[str, int] = {}
+    layers: dict[str, int] = {}
+    for module, where in device_map.items():
+        weights.setdefault(name[module], 0)
+        layers.setdefault(name[module], 0)
+        if where != "disk":
+            weights[name[module]] += sizes.get(module, 0)
+        for key in sizes:  # decoder layers inside this module (or the module itself)
+            if (key == module or key.startswith(module + ".") or module == "") and re.search(r"\.layers\.\d+$", key):
+                layers[name[module]] += 1
+    first = next((name[m] for m in device_map if "embed_tokens" in m or m == ""), None)
+    last = next((name[m] for m in device_map if "lm_head" in m or m == ""), None)
+    return [Device(d, weights[d], layers[d], d == first, d == last) for d in weights]
+
+
+def over_limit(prediction: RunPrediction, limits: dict[str, int]) -> list[tuple[Footprint, int]]:
+    """The devices whose predicted peak (less the CPU's resident baseline, already in use) exceeds ``limits``."""
+    return [(d, limits[d.device]) for d in prediction.devices if d.peak - d.baseline > limits[d.device]]
+
+
+def choose_decode_batch(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: int, new_tokens: int,
+                        decode_batch: int | None, decode_samples: int, devices: list[Device], limits: dict[str, int],
+                        baseline: int = 0) -> tuple[RunPrediction, list[tuple[Footprint, int]]]:
+    """The prediction for ``decode_batch`` rows per batch when the user set it; else for the largest batch whose
+    prediction fits ``limits`` (bytes per device). Also the devices that do not fit (empty: it fits)."""
+    rows = len(configs) * decode_samples
+    for batch in ([decode_batch] if decode_batch else range(rows, 0, -1)):
+        prediction = predict_run(model, configs, prompt_tokens, new_tokens, batch, decode_samples, devices, baseline)
+        over = over_limit(prediction, limits)
+        if not over:
+            return prediction, []
+    return prediction, over

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # torch and transformers load lazily: the CLI resolves models
     from transformers import PreTrainedTokenizerBase
 
 SOURCES = ("hub", "gguf", "random")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # Accelerate's named placements
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class ModelConfig:
     against it). longbench_max_length: LongBench's middle-truncation limit for this model (``model2maxlen`` of
     LongBench / the official SparK fork, e.g. 7950 for Llama-3-8B); null = ``max_length − 500``.
     chat_template: wrap prompts with the tokenizer's chat template. stop_tokens: extra stop strings.
+    device_map: null (the whole model on the run's ``device``), one of :data:`DEVICE_MAPS` (Accelerate's big-model
+    dispatch over every visible GPU, then the CPU, then ``offload_folder``), or an explicit ``{module name: device}``
+    map (devices: a GPU index, ``cpu``, ``disk``). max_memory: ``{device: size}`` caps for the placement (``{0: 70GiB,
+    1: 70GiB}``; sizes as Accelerate reads them, or bytes). offload_folder: where ``disk`` weights live. Weights load
+    straight to their devices (``from_pretrained(device_map=…)``), never as a whole copy in host memory first.
     """
 
     name: str
@@ -45,16 +51,80 @@ class ModelConfig:
     tokenizer: dict | None = None
     seed: int = 0
     attn_implementation: str = "sdpa"
-    arch: dict | None = None  # num_layers, num_heads, num_kv_heads, head_dim, num_params (memory planner)
+    arch: dict | None = None  # num_layers, num_heads, num_kv_heads, head_dim, num_params, … (memory planner)
+    device_map: str | dict | None = None
+    max_memory: dict | None = None
+    offload_folder: str | None = None
 
     def __post_init__(self):
         if self.source not in SOURCES:
-            raise ValueError(f"model.source must be one of {SOURCES}, got {self.source!r}")
+            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
+        if isinstance(self.device_map, str) and self.device_map not in DEVICE_MAPS:
+            raise ValueError(f"device_map must be null, one of {', '.join(DEVICE_MAPS)}, or a {{module: device}} "
+                             f"map; got {self.device_map!r}")
+        if self.device_map is not None and not isinstance(self.device_map, (str, dict)):
+            raise ValueError(f"device_map must be null, one of {', '.join(DEVICE_MAPS)}, or a {{module: device}} "
+                             f"map; got {self.device_map!r}")
+        if isinstance(self.device_map, dict):
+            for module, device in self.device_map.items():
+                _placement_device(device, f"device_map[{module!r}]", disk=True)
+        if self.max_memory is not None:
+            if not isinstance(self.max_memory, dict) or not self.max_memory:
+                raise ValueError(f"max_memory must be a {{device: size}} map (e.g. {{0: 70GiB, cpu: 200GiB}}), "
+                                 f"got {self.max_memory!r}")
+            if self.device_map is None:
+                raise ValueError("max_memory caps a device map's placement: set device_map=auto (or a map) too")
+            for device, size in self.max_memory.items():
+                _placement_device(device, f"max_memory key {device!r}", disk=False)
+                memory_size(size, f"max_memory[{device!r}]")
+
+    @property
+    def placement(self) -> dict:
+        """``from_pretrained``'s placement keywords for a device map (max_memory keys as Accelerate wants them:
+        GPU indices as ints, sizes in bytes)."""
+        out: dict = {"device_map": self.device_map if isinstance(self.device_map, str) else
+                     {m: _device_key(d) for m, d in self.device_map.items()}}
+        if self.max_memory:
+            out["max_memory"] = {_device_key(d): memory_size(v, "") for d, v in self.max_memory.items()}
+        if self.offload_folder:
+            out["offload_folder"] = self.offload_folder
+        return out
 
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":
         """From a ``conf/model/*.yaml`` mapping (lists become tuples so the config stays hashable)."""
         return cls(**{**values, "stop_tokens": tuple(values.get("stop_tokens", ()))})
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def memory_size(value, key: str) -> int:
+    """Bytes of a size given as an int or a string such as ``70GiB`` / ``500MB`` (Accelerate's units)."""
+    import re
+
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(value), re.IGNORECASE)
+    if isinstance(value, bool) or not match or float(match.group(1)) <= 0:
+        raise ValueError(f"{key} must be a positive size such as 70GiB, 500MB or a byte count, got {value!r}")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def _device_key(device):
+    """A device as Accelerate's maps take it: GPU index ``0`` / ``"0"`` / ``"cuda:0"`` → ``0``; else the name."""
+    text = str(device)
+    if text.isdigit():
+        return int(text)
+    return int(text.split(":")[1]) if text.startswith("cuda:") and text.split(":")[1].isdigit() else text
+
+
+def _placement_device(device, key: str, disk: bool) -> None:
+    valid = ("a GPU index, cuda:N, cpu" + (", disk" if disk else ""))
+    if isinstance(_device_key(device), int) or _device_key(device) == "cpu" or (disk and device == "disk"):
+        return
+    raise ValueError(f"{key}: {device!r} is not a device; valid: {valid}")
 
 
 @dataclass
@@ -74,7 +144,25 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where the model takes its input ids: the input embeddings' device (with a device map, not necessarily
+        where any given layer lives: per-layer state follows that layer's own tensors)."""
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every device holding part of the model's weights (disk-offloaded weights count as their execution
+        device, where Accelerate's hooks bring them)."""
+        return model_devices(self.model)
+
+
+def model_devices(model) -> list[torch.device]:
+    import torch
+
+    placed = getattr(model, "hf_device_map", None)
+    if placed:
+        names = {("cpu" if d == "disk" else f"cuda:{d}" if isinstance(d, int) else str(d)) for d in placed.values()}
+        return sorted((torch.device(n) for n in names), key=str)
+    return sorted({p.device for p in model.parameters()}, key=str)
 
 
 def gguf_location(path: str, package: str | None) -> tuple[str, str]:
@@ -147,18 +235,47 @@ def _load_model(cfg: ModelConfig, device: str) -> LoadedModel:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = load_tokenizer(cfg)
-    if cfg.source == "random":
+    if cfg.source == "random":  # drawn on the CPU (the same weights whatever the device), then placed
         config = AutoConfig.for_model(cfg.architecture, **dict(cfg.config))
         config.vocab_size = max(config.vocab_size, len(tokenizer))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation)
-    elif cfg.source == "gguf":
-        directory, file = gguf_location(cfg.path, cfg.package)
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=dtype,
-                                                     attn_implementation=cfg.attn_implementation)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype,
-                                                     attn_implementation=cfg.attn_implementation)
-    model = model.to(device).eval()
-    return LoadedModel(config=cfg, model=model, tokenizer=tokenizer)
+        model = dispatch(model, cfg) if cfg.device_map is not None else model.to(device)
+    else:  # weights go straight to their device(s): no whole copy in host memory first
+        placement = cfg.placement if cfg.device_map is not None else {"device_map": device}
+        extra = {"gguf_file": gguf_location(cfg.path, cfg.package)[1]} if cfg.source == "gguf" else {}
+        where = gguf_location(cfg.path, cfg.package)[0] if cfg.source == "gguf" else cfg.path
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                                                     **extra, **placement)
+    return LoadedModel(config=cfg, model=model.eval(), tokenizer=tokenizer)
+
+
+def dispatch(model, cfg: ModelConfig):
+    """Place a model built in memory (``source=random``) with Accelerate, as ``from_pretrained(device_map=…)`` places
+    a checkpoint (:func:`infer_device_map`), then :func:`accelerate.dispatch_model` adds the hooks that move
+    activations between devices (and bring ``disk`` weights in from ``offload_folder``)."""
+    from accelerate import dispatch_model
+
+    device_map = infer_device_map(model, cfg)
+    model = dispatch_model(model, device_map=device_map, offload_dir=cfg.offload_folder)
+    model.hf_device_map = device_map
+    return model
+
+
+def infer_device_map(model, cfg: ModelConfig) -> dict:
+    """``{module name: device}`` for ``cfg.device_map``: an explicit map as given; a named placement inferred by
+    Accelerate under ``max_memory`` (balanced over the GPUs unless ``sequential``), never splitting a decoder layer.
+    ``model`` may be an empty (meta) model: this is also how the memory planner places the weights before loading."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    placement = cfg.placement
+    if not isinstance(placement["device_map"], str):
+        return placement["device_map"]
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    memory = placement.get("max_memory")
+    if placement["device_map"] != "sequential":
+        memory = get_balanced_memory(model, max_memory=memory, no_split_module_classes=no_split,
+                                     low_zero=placement["device_map"] == "balanced_low_0")
+    return infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split)

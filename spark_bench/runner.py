@@ -43,7 +43,8 @@ class Prediction:
     prefill_s: float
     compress_s: float
     decode_s: float  # this config's share of the batched decode forwards (wall time / rows in the batch, per step)
-    peak_mem_bytes: int  # peak memory of its decode batch (CUDA: max allocated; CPU: the process's peak RSS so far)
+    peak_mem_bytes: int  # peak memory of its decode batch (prefill + compression + decode) over the model's devices
+    # (CUDA: max allocated; CPU: the process's peak resident set), see :mod:`spark_bench.engine.clock`
 
 
 def _prefill(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> Prefill:
@@ -94,7 +95,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
     for first in range(0, len(plan), size):
         chunk = plan[first:first + size]
         rows, built = [], []
-        reset_peak(lm.device)
+        reset_peak(lm.devices)
         for k, (i, pipeline) in enumerate(chunk, first):
             if i not in prefills:
                 prefills[i] = _prefill(lm, work[i][0], work[i][1])
@@ -105,7 +106,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
             if k == last[i]:
                 del prefills[i], selections[i]
         decode_rows(lm.model, rows, stack=decode_stack, release=True)
-        peak = peak_memory(lm.device)
+        peak = peak_memory(lm.devices)
         for (i, pipeline), (compress_s, kv_bytes, key_ratio), row in zip(chunk, built, rows):
             sample, (length, dense_bytes, prefill_s) = work[i][0], facts[i]
             text = lm.tokenizer.decode(row.tokens, skip_special_tokens=True)

@@ -169,6 +169,11 @@ class CompressedCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
 
+def store_device(store: Store) -> torch.device:
+    """The device of a value store's tensors (a :class:`DenseStore`'s data, an unstructured store's kept entries)."""
+    return (store.data if hasattr(store, "data") else store.kept).device
+
+
 def stackable(layer: StoredLayer, backend: str) -> str | None:
     """Why this row's layer cannot join its batch's stacks (None: it can): a compact kernel must serve the device
     (``backend``, :func:`~spark_bench.storage.segments.compact_backend`), the key store's layout and recovery, and
@@ -208,7 +213,7 @@ class BatchedLayer(CacheLayerMixin):
         super().__init__()
         first = rows[0].value_store
         b, h, _, d = first.shape
-        device = (first.data if hasattr(first, "data") else first.kept).device  # DenseStore / UnstructuredStore
+        device = store_device(first)  # this layer's own device (under a device map, not the model's first one)
         self.batch_rows = b
         self.tail_keys = torch.empty(len(rows) * b, h, capacity, d, dtype=first.dtype, device=device)
         self.tail_values = torch.empty_like(self.tail_keys)
@@ -399,8 +404,7 @@ class BatchedCache(Cache):
         the order of rows inside each part is kept."""
         if not stack or not caches:
             return list(range(len(caches)))
-        first = caches[0].layers[0].value_store
-        device = (first.data if hasattr(first, "data") else first.kept).device
-        backend = compact_backend(device)
-        ok = [all(stackable(layer, backend) is None for layer in c.layers) for c in caches]
+        backends = [compact_backend(store_device(layer.value_store)) for layer in caches[0].layers]  # per layer:
+        ok = [all(stackable(layer, backend) is None  # under a device map, layers live on different devices
+                  for layer, backend in zip(c.layers, backends)) for c in caches]
         return [i for i in range(len(caches)) if ok[i]] + [i for i in range(len(caches)) if not ok[i]]

@@ -3,16 +3,28 @@
 CUDA kernels run after the Python call that launched them returns, so a wall-clock reading is only the device's time
 once the device has drained: :func:`synchronize` before every reading that closes a timed span (prefill,
 compression; a decode step ends with its one host read of the chosen tokens). :func:`peak_memory` is what a run
-records per decode batch: ``torch.cuda.max_memory_allocated`` since :func:`reset_peak` on CUDA, the process's peak
-resident set size so far on the CPU (the operating system keeps no resettable peak).
+records per decode batch, over every device the model lives on (a device map spreads it): on each CUDA device
+``torch.cuda.max_memory_allocated`` since :func:`reset_peak`; on the CPU the process's peak resident set size since
+:func:`reset_peak` (Linux resets it through ``/proc/self/clear_refs``; elsewhere it is the peak since the process
+started).
 """
 
 from __future__ import annotations
 
+import re
 import resource
 import sys
+from pathlib import Path
 
 import torch
+
+Devices = torch.device | str | list | tuple | None  # one device, or every device the model lives on
+
+
+def _devices(devices) -> list[torch.device]:
+    if devices is None:
+        return []
+    return [torch.device(d) for d in (devices if isinstance(devices, (list, tuple)) else [devices])]
 
 
 def synchronize(device: torch.device | str | None) -> None:
@@ -21,14 +33,87 @@ def synchronize(device: torch.device | str | None) -> None:
         torch.cuda.synchronize(device)
 
 
-def reset_peak(device: torch.device | str | None) -> None:
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+def reset_peak(devices: Devices) -> None:
+    """Start a new peak on every device in ``devices`` (one device or a list)."""
+    for device in _devices(devices):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        elif device.type == "cpu":
+            reset_resident_peak()
 
 
-def peak_memory(device: torch.device | str | None) -> int:
-    """Bytes: peak allocated on a CUDA ``device`` since :func:`reset_peak`, else the process's peak RSS."""
-    if device is not None and torch.device(device).type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+def peak_memory(devices: Devices) -> int:
+    """Bytes: the sum over ``devices`` of each one's peak since :func:`reset_peak` (CUDA: allocated by torch; CPU:
+    the process's resident set)."""
+    total = 0
+    for device in dict.fromkeys(_devices(devices)):
+        total += int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else resident_peak()
+    return total
+
+
+_STATUS = Path("/proc/self/status")
+
+
+def resident_peak() -> int:
+    """The process's peak resident set size in bytes (Linux: ``VmHWM``, resettable; elsewhere ``ru_maxrss``)."""
+    if _STATUS.is_file():
+        match = re.search(r"^VmHWM:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+        if match:
+            return int(match.group(1)) * 1024
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+
+
+def resident_now() -> int:
+    """The process's resident set size now, in bytes (Linux ``VmRSS``; elsewhere the peak, an upper bound)."""
+    if _STATUS.is_file():
+        match = re.search(r"^VmRSS:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+        if match:
+            return int(match.group(1)) * 1024
+    return resident_peak()
+
+
+def reset_resident_peak() -> bool:
+    """Reset the process's peak resident set size to its current size (Linux ≥ 4.0); False where impossible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def free_memory(device: torch.device | str) -> int:
+    """Bytes a run could still allocate on ``device``: CUDA's free memory (``torch.cuda.mem_get_info``), the
+    system's available memory on the CPU (``MemAvailable``; elsewhere the physical memory, an upper bound)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        match = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text(), re.MULTILINE)
+        if match:
+            return int(match.group(1)) * 1024
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Make freed tensors go back to the operating system (glibc): pin ``malloc``'s mmap threshold at 1 MiB, so
+    every larger block is its own mapping, unmapped when freed. glibc otherwise raises the threshold after the first
+    large frees (up to 32 MiB) and keeps later blocks in its heap, so a CPU run's resident set would also hold memory
+    its tensors freed long ago — neither what the run needs nor what the planner predicts. Returns False where there
+    is no glibc (the resident set is then an upper bound)."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False

@@ -40,6 +40,13 @@ class EvictionMethod(ABC):
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         """The kept tokens, or ``None`` to keep every token."""
 
+    def stored_tokens(self, prompt_length: int, layer_idx: int, num_layers: int, num_kv_heads: int) -> int:
+        """The most prompt tokens :meth:`select` leaves in this layer's store for a prompt of ``prompt_length`` (the
+        memory planner's count, no data needed): the budget (``budget``, ``rounding``) or the whole prompt."""
+        from spark_bench.methods.eviction.snapkv import resolve_budget
+
+        return min(resolve_budget(self.budget, prompt_length, self.rounding), prompt_length)
+
 
 class ChannelMethod(ABC):
     """Key-channel pruning: store the (already evicted) keys of one layer compactly."""

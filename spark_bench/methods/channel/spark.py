@@ -67,10 +67,10 @@ def fork_group_keep(sorted_saliency: torch.Tensor, threshold: float = 0.99) -> t
     return keep[bucket]
 
 
-def group_keep_by_rank(head_dim: int, groups: int) -> torch.Tensor:
-    """Bool ``(D,)`` over saliency ranks (0 = most salient): which ranks SparK-g keeps."""
+def group_keep_by_rank(head_dim: int, groups: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool ``(D,)`` over saliency ranks (0 = most salient): which ranks SparK-g keeps, made on ``device``."""
     ratios = GROUP_RATIOS[groups]
-    keep = torch.zeros(head_dim, dtype=torch.bool)
+    keep = torch.zeros(head_dim, dtype=torch.bool, device=device)
     bounds = [round(i * head_dim / groups) for i in range(groups + 1)]
     for ratio, start, end in zip(ratios, bounds[:-1], bounds[1:]):
         n = end - start
@@ -147,7 +147,7 @@ class SparK(ChannelMethod):
             n_keep = fork_group_keep(saliency.gather(-1, order), self.top_p)
             keep_sorted = torch.arange(d, device=saliency.device) < n_keep
         else:
-            keep_sorted = group_keep_by_rank(d, self.groups).to(saliency.device).expand_as(saliency)
+            keep_sorted = group_keep_by_rank(d, self.groups, saliency.device).expand_as(saliency)
         return torch.zeros_like(saliency, dtype=torch.bool).scatter_(-1, order, keep_sorted)
 
     def build_recovery(self, keys, mask, saliency, stat, seed: int):

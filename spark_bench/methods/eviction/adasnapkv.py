@@ -41,6 +41,18 @@ class AdaSnapKV(SnapKV):
         super().__post_init__()
         safeguard_tokens(self.safeguard, self.alpha_safeguard, 1, 0)  # unknown modes fail here, at construction
 
+    def stored_tokens(self, prompt_length: int, layer_idx: int, num_layers: int, num_kv_heads: int) -> int:
+        """An upper bound (the heads' split is data-dependent): every head is padded to the longest, which at most
+        takes the whole pre-window budget of the layer but every other head's reserve, and never more than the
+        prompt."""
+        s, w = prompt_length, min(self.window_size, prompt_length)
+        n = resolve_budget(self.budget, s, self.rounding)
+        if n >= s:
+            return s
+        n = max(n, w)
+        safe = safeguard_tokens(self.safeguard, self.alpha_safeguard, n, w)
+        return w + min(s - w, num_kv_heads * (n - w) - (num_kv_heads - 1) * safe)
+
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         b, h, s, _ = layer.keys.shape
         n_keep = resolve_budget(self.budget, s, self.rounding)

@@ -48,6 +48,11 @@ class ExpectedAttention(EvictionMethod):
         scores = group_mean(logits.softmax(dim=-1), h)
         return scores * values.norm(dim=-1) if self.use_vnorm else scores
 
+    def stored_tokens(self, prompt_length: int, layer_idx: int, num_layers: int, num_kv_heads: int) -> int:
+        """The budget, at least the sinks and one more token, at most the prompt."""
+        n = super().stored_tokens(prompt_length, layer_idx, num_layers, num_kv_heads)
+        return n if n >= prompt_length else max(n, min(self.n_sink + 1, prompt_length))
+
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         s = layer.keys.shape[-2]
         n_keep = resolve_budget(self.budget, s, self.rounding)

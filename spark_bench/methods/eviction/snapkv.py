@@ -95,6 +95,11 @@ class SnapKV(EvictionMethod):
         """Tokens this layer keeps (the same for every layer; PyramidKV overrides this)."""
         return resolve_budget(self.budget, prompt_length, self.rounding)
 
+    def stored_tokens(self, prompt_length: int, layer_idx: int, num_layers: int, num_kv_heads: int) -> int:
+        """This layer's budget (PyramidKV: its ramp or fallback), at least the window, at most the prompt."""
+        n = self.layer_budget(prompt_length, layer_idx, num_layers)
+        return prompt_length if n >= prompt_length else max(n, min(self.window_size, prompt_length))
+
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         s = layer.keys.shape[-2]
         n_keep = self.layer_budget(s, layer_idx, num_layers)

@@ -21,6 +21,11 @@ class StreamingLLM(EvictionMethod):
     rounding: str = "exact"  # fraction budgets: resolve_budget's rounding (budget_rounding)
     n_sink: int = 4
 
+    def stored_tokens(self, prompt_length: int, layer_idx: int, num_layers: int, num_kv_heads: int) -> int:
+        """The budget, at least the sinks and one more token, at most the prompt."""
+        n = super().stored_tokens(prompt_length, layer_idx, num_layers, num_kv_heads)
+        return n if n >= prompt_length else max(n, min(self.n_sink + 1, prompt_length))
+
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         b, h, s, _ = layer.keys.shape
         n_keep = resolve_budget(self.budget, s, self.rounding)

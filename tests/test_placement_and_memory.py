@@ -1,0 +1,220 @@
+"""Models larger than one device (issue 23): Accelerate device maps give exactly the plain load's tokens, every
+per-layer tensor is made on its layer's own device, and a run's peak memory is predicted before the model loads —
+close to the measured peak, and refused in one line (or split into smaller decode batches) when it does not fit."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import model_config
+from test_methods import MATRIX
+from test_protocol import _compose
+
+from spark_bench import memory
+from spark_bench.cli import ConfigError, memory_prediction, resolve_device, run, validate
+from spark_bench.engine.clock import peak_memory, reset_peak, resident_now, return_freed_memory
+from spark_bench.engine.decode import DecodeRow, decode_rows
+from spark_bench.engine.prefill import QueryStatsSpec, run_prefill
+from spark_bench.methods import MethodConfig, Pipeline
+from spark_bench.models import ModelConfig, load_model, memory_size
+
+CONFIGS = [MethodConfig(name=name, budget=64, **options) for name, options in MATRIX]
+SPLIT = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu", "model.norm": "cpu",
+         "model.rotary_emb": "cpu", "lm_head": "disk"}  # Accelerate's hooks bring the disk weights in per forward
+
+
+@pytest.fixture(scope="module")
+def mapped_lm(tmp_path_factory):
+    cfg = dataclasses.replace(model_config("tiny-llama"), device_map=SPLIT,
+                              offload_folder=str(tmp_path_factory.mktemp("offload")))
+    return load_model(cfg, "cpu")
+
+
+def _decode_matrix(model, stack=True):
+    """Prefill once, compress under every config of the method matrix, decode all rows together."""
+    ids = torch.randint(100, 5000, (1, 160), generator=torch.Generator(device="cpu").manual_seed(0), device="cpu")
+    prefill = run_prefill(model, ids, window=32, query_stats=QueryStatsSpec())
+    selections = {}
+    rows = [DecodeRow(Pipeline.from_config(c).build_cache(prefill, selections=selections)[0], prefill.first_logits,
+                      prefill.prompt_length, 6, frozenset()) for c in CONFIGS]
+    layer_devices = [layer.keys.device for layer in prefill.layers]
+    store_devices = [{t.device for store in (layer.key_store, layer.value_store) for t in vars(store).values()
+                      if isinstance(t, torch.Tensor)} for row in rows for layer in row.cache.layers]
+    return [r.tokens for r in decode_rows(model, rows, stack=stack)], layer_devices, store_devices
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_lm):
+    return _decode_matrix(tiny_lm.model)[0]
+
+
+def test_a_device_mapped_model_gives_the_plain_tokens_for_the_method_matrix(mapped_lm, plain_tokens):
+    assert mapped_lm.model.hf_device_map == SPLIT and len(mapped_lm.devices) == 1
+    assert any(p.device.type == "meta" for p in mapped_lm.model.parameters())  # really offloaded, hooks in use
+    tokens, _, _ = _decode_matrix(mapped_lm.model)
+    assert tokens == plain_tokens and len(tokens) == len(CONFIGS) > 100
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_per_layer_state_is_made_on_its_layers_device(tiny_lm, mapped_lm, plain_tokens, stack):
+    """With the default device set to ``meta``, any tensor the prefill, compression or decoding makes without naming
+    a device lands on meta and the run fails or its tokens change; every store holds its layer's device (also under
+    the device map, whose disk hooks Accelerate runs itself: there the default device stays the CPU)."""
+    torch.set_default_device("meta")
+    try:
+        tokens, layer_devices, store_devices = _decode_matrix(tiny_lm.model, stack)
+    finally:
+        torch.set_default_device(None)
+    assert tokens == plain_tokens
+    for lm in (tiny_lm, mapped_lm):
+        tokens, layer_devices, store_devices = _decode_matrix(lm.model, stack)
+        n = len(layer_devices)
+        assert all(devices == {layer_devices[k % n]} for k, devices in enumerate(store_devices))
+
+
+def test_placement_follows_the_device_map():
+    cfg = dataclasses.replace(model_config("tiny-llama"), device_map=SPLIT, offload_folder="/tmp")
+    devices = memory.placement(cfg, "cpu")
+    arch = memory.Arch.of(cfg)
+    assert [(d.name, d.layers, d.first, d.last) for d in devices] == [("cpu", 2, True, True)]
+    embed = arch.vocab_size * arch.hidden_size * 4
+    assert devices[0].weights < arch.num_params * 4 - embed  # layer 0 and lm_head stay on disk
+    full = memory.placement(model_config("tiny-llama"), "cpu")[0]
+    assert full.weights == int(arch.num_params * 4) and full.layers == arch.num_layers
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "adasnapkv", "streamingllm", "tova", "expected_attention"])
+@pytest.mark.parametrize("budget", [40, 0.3])
+def test_stored_tokens_is_what_the_eviction_keeps(tiny_prefill, name, budget):
+    cfg = MethodConfig(name=name, budget=budget, window_size=16)
+    eviction = Pipeline.from_config(cfg).eviction
+    n = len(tiny_prefill.layers)
+    for i, layer in enumerate(tiny_prefill.layers):
+        selection = eviction.select(layer, i, n)
+        kept = layer.keys.shape[-2] if selection is None else selection.indices.shape[-1]
+        bound = eviction.stored_tokens(tiny_prefill.prompt_length, i, n, layer.num_kv_heads)
+        assert kept <= bound if name == "adasnapkv" else kept == bound
+
+
+def test_the_planner_counts_pyramidkvs_official_fallback():
+    """At KV 128 on a 127,500-token prompt the official fork keeps 90% of the prompt in every layer."""
+    model = model_config("llama3.1-8b")
+    keep90 = memory.plan(MethodConfig(name="pyramidkv", budget=128, pyramid_fallback="keep90", window_size=64),
+                         model, 127500, 0, 80)
+    ramp = memory.plan(MethodConfig(name="pyramidkv", budget=128, window_size=64), model, 127500, 0, 80)
+    assert keep90.stored_prompt_tokens == pytest.approx(0.9 * 127500, abs=1)
+    assert 128 <= ramp.stored_prompt_tokens < 160  # its ramp averages about the budget
+
+
+def test_batch_caches_count_shared_tensors_once():
+    """snapkv, snapkv+think and snapkv+spark at one budget share the evicted values (and snapkv's keys)."""
+    arch, model = memory.Arch.of(model_config("smollm2-135m")), model_config("smollm2-135m")
+    configs = [MethodConfig(name="snapkv", budget=512), MethodConfig(name="snapkv+spark", budget=512, ratio=0.8)]
+    alone = sum(memory.plan(c, model, 4096, 0, 80).kv_bytes_per_sequence for c in configs)
+    together = memory.predict_run(model, configs, 4096, 0, None, 1).devices[0].caches
+    values = arch.num_layers * arch.num_kv_heads * 512 * arch.head_dim * 4
+    assert together == pytest.approx(alone - values, rel=0.01)
+
+
+def _peak_ratio(tmp_path, args):
+    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", *args, "benchmark.tasks=[niah_single_1]",
+                           "benchmark.num_samples=1", f"output_root={tmp_path}", "run=r"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "r" / "memory.json").read_text())
+    return report["measured_over_predicted"]
+
+
+@pytest.mark.parametrize("args", [["model=tiny-llama", "benchmark.length=4096"], ["benchmark.length=2048"]],
+                         ids=["tiny-llama", "smollm2"])
+def test_predicted_peak_is_within_20_percent_of_the_measured_one(tmp_path, args):
+    """The peak resident set of a whole run (fresh process) against the prediction made before the model loaded."""
+    assert 0.8 <= _peak_ratio(tmp_path, args) <= 1.2
+
+
+def test_a_sweep_predicted_not_to_fit_stops_before_the_model_loads(tmp_path, monkeypatch):
+    import spark_bench.cli as cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    cfg = _compose(["model=tiny-llama", "memory.limit_gib=0.001", f"output_root={tmp_path}"])
+    with pytest.raises(ConfigError) as err:
+        run(cfg, tmp_path / "out")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("memory: predicted peak")
+    assert "exceeds its 0.0 GiB memory.limit_gib even at decode_batch=1" in message
+    assert "decode_samples" in message and "model.device_map=auto" in message
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_run_splits_its_decode_batches_to_fit(tmp_path):
+    """Between the prediction for every row at once and the one for a row at a time, the run picks the largest
+    decode batch that fits and gives the tokens of the unsplit run."""
+    base = ["model=tiny-llama", "benchmark.tasks=[niah_single_1]", "benchmark.num_samples=1", "benchmark.length=1024",
+            "progress=false"]
+    cfg = _compose(base)
+    model, configs = validate(cfg)
+    whole = memory_prediction(cfg, model, configs)
+    one = memory_prediction(_compose(base + ["decode_batch=1"]), model, configs)
+    limit = (whole.peak + one.peak) / 2 / memory.GIB
+    split = memory_prediction(_compose(base + [f"memory.limit_gib={limit}"]), model, configs)
+    assert 1 <= split.decode_batch < whole.decode_batch == len(configs)
+    run(_compose(base + [f"memory.limit_gib={limit}", f"output_root={tmp_path}", "run=split"]), tmp_path / "split")
+    run(_compose(base + [f"output_root={tmp_path}", "run=whole"]), tmp_path / "whole")
+    read = [[json.loads(line)["tokens"] for line in (tmp_path / r / "predictions.jsonl").open()]
+            for r in ("split", "whole")]
+    assert read[0] == read[1] and len(read[0]) == len(configs)
+    assert json.loads((tmp_path / "split" / "memory.json").read_text())["prediction"]["decode_batch"] == \
+        split.decode_batch
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"device_map": "everywhere"}, "device_map must be null, one of auto, balanced, balanced_low_0, sequential"),
+    ({"device_map": {"model.layers.0": "gpu"}}, "device_map['model.layers.0']: 'gpu' is not a device"),
+    ({"device_map": "auto", "max_memory": {0: "lots"}}, "max_memory[0] must be a positive size such as 70GiB"),
+    ({"device_map": "auto", "max_memory": {"disk": "1GB"}}, "max_memory key 'disk': 'disk' is not a device"),
+    ({"max_memory": {0: "70GiB"}}, "max_memory caps a device map's placement: set device_map=auto"),
+])
+def test_bad_placements_are_refused(values, message):
+    with pytest.raises(ValueError, match=None) as err:
+        dataclasses.replace(model_config("tiny-llama"), **values)
+    assert message in str(err.value)
+
+
+def test_sizes_and_placement_keywords():
+    assert memory_size("70GiB", "k") == 70 * 2 ** 30 and memory_size("500MB", "k") == 500 * 10 ** 6
+    assert memory_size(1234, "k") == 1234
+    cfg = ModelConfig(name="m", source="hub", device_map="auto", max_memory={"0": "1GiB", "cuda:1": 5, "cpu": "2GB"})
+    assert cfg.placement == {"device_map": "auto", "max_memory": {0: 2 ** 30, 1: 5, "cpu": 2 * 10 ** 9}}
+
+
+@pytest.mark.parametrize("device,message", [
+    ("tpu", "device must be one of auto, cpu, cuda, cuda:N; got 'tpu'"),
+    ("cuda:7", "device=cuda:7: this machine has"),
+])
+def test_bad_devices_are_refused(device, message):
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has the GPU")
+    with pytest.raises(ConfigError) as err:
+        resolve_device(device, model_config("tiny-llama"))
+    assert message in str(err.value)
+
+
+def test_a_bad_placement_on_the_command_line_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "model.device_map=everywhere",
+                           f"output_root={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "model: device_map must be null, one of auto" in proc.stderr and not any(tmp_path.iterdir())
+
+
+def test_cpu_peaks_reset_and_freed_memory_returns():
+    assert return_freed_memory()
+    reset_peak(["cpu"])
+    before = peak_memory(["cpu"])
+    block = torch.ones(64 * 2 ** 20 // 4)  # 64 MiB
+    assert peak_memory(["cpu"]) >= before + 60 * 2 ** 20
+    del block
+    reset_peak(["cpu"])
+    assert peak_memory(["cpu"]) < before + 32 * 2 ** 20 and resident_now() <= peak_memory(["cpu"])
