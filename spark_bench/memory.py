@@ -40,6 +40,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -69,6 +70,11 @@ class Arch:
 
     @classmethod
     def of(cls, model: ModelConfig) -> "Arch":
+        """The shape of the checkpoint itself when its ``config.json`` is on disk (``model.path`` a directory, as
+        after :func:`~spark_bench.models.resolve_sources`), else the model config's ``arch:`` block."""
+        local = Path(model.path) / "config.json" if model.source == "hub" and model.path else None
+        if local is not None and local.is_file():
+            return _from_config_json(local, model.dtype)
         missing = [k for k in ARCH_KEYS if k not in (model.arch or {})]
         if missing:
             raise ValueError(f"model {model.name}: its conf/model `arch:` block lacks {', '.join(missing)} (the "
@@ -89,6 +95,20 @@ class Arch:
             tie_word_embeddings=self.tie_word_embeddings)
         with init_empty_weights():
             return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+
+
+@lru_cache(maxsize=16)
+def _from_config_json(path: Path, dtype: str) -> Arch:
+    config = json.loads(path.read_text(encoding="utf-8"))
+    heads = config["num_attention_heads"]
+    shape = dict(num_layers=config["num_hidden_layers"], num_heads=heads,
+                 num_kv_heads=config.get("num_key_value_heads") or heads,
+                 head_dim=config.get("head_dim") or config["hidden_size"] // heads, num_params=0.0,
+                 hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+                 vocab_size=config["vocab_size"], model_type=config.get("model_type", "llama"),
+                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+    empty = Arch(**shape).empty_model(dtype)  # the parameter count of the real module tree
+    return Arch(**{**shape, "num_params": float(sum(p.numel() for p in empty.parameters()))})
 
 
 # --------------------------------------------------------------------------------------------- store bytes

@@ -35,6 +35,7 @@ class ModelConfig:
     map (devices: a GPU index, ``cpu``, ``disk``). max_memory: ``{device: size}`` caps for the placement (``{0: 70GiB,
     1: 70GiB}``; sizes as Accelerate reads them, or bytes). offload_folder: where ``disk`` weights live. Weights load
     straight to their devices (``from_pretrained(device_map=…)``), never as a whole copy in host memory first.
+    gpus, host_mem_gb: what a SLURM job of this model requests.
     """
 
     name: str
@@ -55,6 +56,8 @@ class ModelConfig:
     device_map: str | dict | None = None
     max_memory: dict | None = None
     offload_folder: str | None = None
+    gpus: int = 1            # GPUs a launcher job of this model asks for (conf/hydra/launcher/slurm.yaml)
+    host_mem_gb: int = 64    # host memory a launcher job asks for (weights load straight to the GPUs)
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -68,6 +71,10 @@ class ModelConfig:
         if isinstance(self.device_map, dict):
             for module, device in self.device_map.items():
                 _placement_device(device, f"device_map[{module!r}]", disk=True)
+        for key in ("gpus", "host_mem_gb"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
         if self.max_memory is not None:
             if not isinstance(self.max_memory, dict) or not self.max_memory:
                 raise ValueError(f"max_memory must be a {{device: size}} map (e.g. {{0: 70GiB, cpu: 200GiB}}), "

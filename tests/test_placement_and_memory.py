@@ -218,3 +218,15 @@ def test_cpu_peaks_reset_and_freed_memory_returns():
     del block
     reset_peak(["cpu"])
     assert peak_memory(["cpu"]) < before + 32 * 2 ** 20 and resident_now() <= peak_memory(["cpu"])
+
+
+@pytest.mark.parametrize("model,gpus,mem", [("llama3.1-70b", 4, 128), ("qwen3-32b", 2, 96), ("llama3-8b", 1, 64)])
+def test_the_slurm_launcher_asks_for_the_models_gpus_and_host_memory(model, gpus, mem):
+    from hydra import compose, initialize_config_dir
+
+    from spark_bench.cli import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[f"model={model}", "hydra/launcher=slurm"], return_hydra_config=True)
+    assert (cfg.hydra.launcher.gpus_per_node, cfg.hydra.launcher.mem_gb) == (gpus, mem)
+    assert cfg.model.device_map == ("auto" if gpus > 1 else None)
