@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench/bytes.py
 	$(BIN)/python scripts/bench/attention.py
 	$(BIN)/spark-bench-memory model=llama3.1-8b sweep=memory memory.seq_len=8192 memory.out=results/bench/memory.json
+	$(BIN)/python scripts/bench/memory_peak.py
 	$(BIN)/python scripts/bench/sweep.py
 	$(BIN)/python scripts/bench/ops.py
 	$(BIN)/python scripts/bench/decode.py

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
@@ -108,9 +109,61 @@ def validate(cfg: DictConfig, sources: bool = True) -> tuple[ModelConfig, list[M
         raise ConfigError(str(err)) from None
 
 
-def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodConfig]]:
+def check_options(cfg: DictConfig) -> None:
+    """Every top-level key is known (``+typo=1`` is refused) and every run, benchmark, data and memory option has
+    its declared type and range (:mod:`spark_bench.options`)."""
+    from spark_bench.options import (
+        BENCHMARK_OPTIONS, LONGBENCH_OPTIONS, MEMORY_OPTIONS, RULER_OPTIONS, RUN_OPTIONS, check_all,
+    )
+
+    known = set(OmegaConf.load(CONF_DIR / "config.yaml")) | {"model", "benchmark", "method", "sweep", "hydra"}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(unknown)}; valid top-level keys: {', '.join(sorted(known))}")
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        check_all(plain, RUN_OPTIONS)
+        for prefix, options in (("benchmark.", BENCHMARK_OPTIONS), ("longbench.", LONGBENCH_OPTIONS),
+                                ("ruler.", RULER_OPTIONS), ("memory.", MEMORY_OPTIONS)):
+            check_all(plain.get(prefix[:-1]) or {}, options, prefix)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_output(out_dir: Path) -> None:
+    """The results directory can be made and written: no file in its place or above it, the nearest existing
+    directory writable. Nothing is created here."""
+    import os
+
+    for place in (out_dir, *out_dir.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise ConfigError(f"output_root/run: {place} is a file, not a directory; choose another "
+                                  f"output_root= or run=")
+            if not os.access(place, os.W_OK | os.X_OK):
+                raise ConfigError(f"output_root/run: {place} is not writable; choose another output_root=")
+            return
+
+
+def check_token_ids(samples, model: ModelConfig, key: str) -> None:
+    """Every token id of exported samples is inside the model's vocabulary (its ``config.json`` or ``arch:``)."""
+    from spark_bench.memory import Arch
+
+    try:
+        vocab = Arch.of(model).vocab_size
+    except ValueError:
+        return  # no shape known: the model's own embedding will say so
+    for sample in samples:
+        if sample.input_ids and (max(sample.input_ids) >= vocab or min(sample.input_ids) < 0):
+            raise ConfigError(f"{key}: sample {sample.id} has token ids outside model {model.name}'s vocabulary "
+                              f"(0 … {vocab - 1}; found {min(sample.input_ids)} … {max(sample.input_ids)}): "
+                              f"exported with another tokenizer?")
+
+
+def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tuple[ModelConfig, list[MethodConfig]]:
+    check_options(cfg)
     model = model_config(cfg)
-    if sources:  # first, and before torch is imported: a missing model is reported within seconds
+    if sources and model_sources:  # first, and before torch is imported: a missing model is reported within seconds
         model = resolve_sources(model)
     from spark_bench.benchmarks.export import read_samples
     from spark_bench.benchmarks.longbench import PROTOCOLS as LONGBENCH_PROTOCOLS
@@ -125,23 +178,6 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
     except ValueError as err:
         raise ConfigError(f"sweep.configs: {err}") from None
     parse_shard(cfg.get("shard"))
-    decode_batch, decode_samples = cfg.get("decode_batch"), cfg.get("decode_samples", 1)
-    if decode_batch is not None and (isinstance(decode_batch, bool) or not isinstance(decode_batch, int)
-                                     or decode_batch < 1):
-        raise ConfigError(f"decode_batch must be a positive integer (method configs decoded together per sample) "
-                          f"or null (all of them), got {decode_batch!r}")
-    if isinstance(decode_samples, bool) or not isinstance(decode_samples, int) or decode_samples < 1:
-        raise ConfigError(f"decode_samples must be a positive integer (samples whose configs decode in one batch), "
-                          f"got {decode_samples!r}")
-    if not isinstance(cfg.get("decode_stack", True), bool):
-        raise ConfigError(f"decode_stack must be true or false, got {cfg.get('decode_stack')!r}")
-    mem = cfg.get("memory") or {}
-    if not isinstance(mem.get("check", True), bool):
-        raise ConfigError(f"memory.check must be true or false, got {mem.get('check')!r}")
-    limit = mem.get("limit_gib")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
-        raise ConfigError(f"memory.limit_gib must be a positive number of GiB or null (each device's free memory), "
-                          f"got {limit!r}")
     resolve_device(cfg.get("device", "auto"), model)
     b = cfg.benchmark
     if b.name not in BENCHMARKS:
@@ -149,9 +185,12 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
     if b.get("data_file"):
         _check_file("benchmark.data_file", b.data_file)
         try:
-            read_samples(b.data_file)
+            samples = read_samples(b.data_file)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        if not samples:
+            raise ConfigError(f"benchmark.data_file: {b.data_file} holds no samples")
+        check_token_ids(samples, model, "benchmark.data_file")
         return model, configs
     if b.name == "ruler":
         unknown = [t for t in b.tasks if t not in RULER_TASKS]
@@ -186,9 +225,12 @@ def _validate(cfg: DictConfig, sources: bool) -> tuple[ModelConfig, list[MethodC
                 raise ConfigError(f"longbench.data_dir: {cfg.longbench.data_dir} is not a directory")
             for task in benchmark_tasks(cfg):  # every record parsed now: a malformed line is reported before the model loads
                 try:
-                    read_records(task, cfg.longbench.data_dir, cfg.longbench.e)
+                    records = read_records(task, cfg.longbench.data_dir, cfg.longbench.e)
                 except (ValueError, FileNotFoundError) as err:
                     raise ConfigError(str(err)) from None
+                if not records:
+                    raise ConfigError(f"longbench.data_dir: {task}{'_e' if cfg.longbench.e else ''}.jsonl in "
+                                      f"{cfg.longbench.data_dir} holds no records")
         elif sources:
             hub_source(cfg.longbench.hub_path)
     length = b.get("length")
@@ -382,64 +424,124 @@ def plan_lines(cfg: DictConfig, model_cfg: ModelConfig, configs: list[MethodConf
             *plan.estimate(model_cfg, configs, work, prompt).lines()]
 
 
-def run(cfg: DictConfig, out_dir: Path) -> None:
-    model_cfg, configs = validate(cfg, sources=not cfg.get("dry_run"))
-    if cfg.get("dry_run"):
-        from spark_bench.methods.pipeline import sweep_labels
+@contextmanager
+def _locked(out_dir: Path, wait: bool):
+    """:func:`spark_bench.results.run_lock`, a held lock reported as a :class:`ConfigError`."""
+    from spark_bench.results import RunLocked, run_lock
 
-        tasks = "data_file" if cfg.benchmark.get("data_file") else ", ".join(benchmark_tasks(cfg))
-        print(f"spark-bench (dry run): {model_cfg.name} on {cfg.benchmark.name} [{tasks}] × {len(configs)} method "
-              f"configs → {out_dir}\n" + "\n".join(f"  {label}" for label in sweep_labels(configs)), flush=True)
-        print(f"  {protocol_line(cfg)}", flush=True)
-        for line in source_lines(cfg, model_cfg):
-            print(f"  source: {line}", flush=True)
-        for line in plan_lines(cfg, model_cfg, configs):
+    lock = run_lock(out_dir, wait)
+    try:
+        lock.__enter__()
+    except RunLocked as err:
+        raise ConfigError(f"run={out_dir.name}: {err}") from None
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
+
+
+class DryRunStop(ConfigError):
+    """A dry run found problems the real run would stop at (one line each)."""
+
+
+def dry_run(cfg: DictConfig, out_dir: Path) -> None:
+    """Validate, print the plan (labels, protocol, sources, cost, memory) and exit non-zero, one line per problem,
+    when the real run would stop at start-up (the model or the data not resolvable)."""
+    from spark_bench.methods.pipeline import sweep_labels
+
+    model_cfg, configs = validate(cfg, sources=False)
+    tasks = "data_file" if cfg.benchmark.get("data_file") else ", ".join(benchmark_tasks(cfg))
+    print(f"spark-bench (dry run): {model_cfg.name} on {cfg.benchmark.name} [{tasks}] × {len(configs)} method "
+          f"configs → {out_dir}\n" + "\n".join(f"  {label}" for label in sweep_labels(configs)), flush=True)
+    print(f"  {protocol_line(cfg)}", flush=True)
+    for line in source_lines(cfg, model_cfg):
+        print(f"  source: {line}", flush=True)
+    for line in plan_lines(cfg, model_cfg, configs):
+        print(f"  {line}", flush=True)
+    try:  # dry runs plan GPU jobs from machines without those GPUs: not fitting *here* is reported, not fatal,
+        prediction = memory_prediction(cfg, model_cfg, configs)  # unless memory.limit_gib names the size
+    except ConfigError as err:
+        if cfg.memory.get("limit_gib") is not None:
+            raise
+        print(f"  {err} [not fatal in a dry run: it predicts for this machine's devices]", flush=True)
+    else:
+        for line in prediction.lines():
             print(f"  {line}", flush=True)
-        try:
-            prediction = memory_prediction(cfg, model_cfg, configs)
-        except (OSError, ValueError) as err:  # a device map needs the model's config.json, maybe not here yet
-            if isinstance(err, ConfigError):
-                raise
-            print(f"  memory: no prediction ({err})", flush=True)
-        else:
-            for line in prediction.lines():
-                print(f"  {line}", flush=True)
-        return
+    problems = []
+    try:
+        resolve_sources(model_cfg)
+    except hub.HubUnavailable as err:
+        problems.append(str(err))
+    try:
+        _validate(cfg, sources=True, model_sources=False)
+    except (ConfigError, hub.HubUnavailable) as err:
+        problems.append(str(err))
+    if problems:
+        raise DryRunStop("\n".join(f"the run would stop: {p}" for p in problems))
+
+
+def run(cfg: DictConfig, out_dir: Path) -> None:
+    """Validate everything, then (unless ``dry_run``) lock ``out_dir``, make the samples, and load the model only
+    when some prediction is still missing."""
+    if cfg.get("hub_timeout_s") is not None:
+        hub.set_timeout(float(cfg.hub_timeout_s))
+    if cfg.get("dry_run"):
+        return dry_run(cfg, out_dir)
+    model_cfg, configs = validate(cfg)
+    check_output(out_dir)
     from spark_bench.engine.clock import resident_now, return_freed_memory
-    from spark_bench.models import load_tokenizer
-    from spark_bench.results import ResultsMismatch
+    from spark_bench.models import LoadedModel, load_tokenizer
+    from spark_bench.results import ResultsDir, ResultsMismatch
     from spark_bench.runner import run_sweep
 
     start = time.perf_counter()
     return_freed_memory()
-    load_tokenizer(model_cfg)  # (cached for load_model) part of the resident baseline the prediction starts from
+    tokenizer = load_tokenizer(model_cfg)  # (cached for load_model) in the resident baseline of the prediction
     prediction = memory_prediction(cfg, model_cfg, configs, baseline=resident_now())  # before the model loads
     decode_batch = cfg.get("decode_batch")
     if decode_batch is None and prediction.decode_batch < prediction.rows:
         decode_batch = prediction.decode_batch
         print(f"memory: decode_batch={decode_batch} (all {prediction.rows} rows together are predicted not to "
               f"fit)", flush=True)
-    lm = load_model(model_cfg, resolve_device(cfg.device, model_cfg))
-    loaded = resident_now()
-    try:
-        samples = load_samples(cfg, lm)
-        for scope in {c.compress_scope for c in configs}:  # every sample has the boundaries its scopes need
-            for sample in samples:
-                sample.scope_end(scope)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    payload = run_payload(cfg, lm, samples, configs)
-    print(f"spark-bench: {lm.config.name} on {cfg.benchmark.name} ({len(samples)} samples) × "
-          f"{len(configs)} method configs → {out_dir}\n  {protocol_line(cfg)}", flush=True)
-    try:
-        predictions = run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True),
-                                payload=payload, progress=bool(cfg.get("progress", True)) and sys.stderr.isatty(),
-                                decode_batch=decode_batch, decode_samples=cfg.get("decode_samples", 1),
-                                decode_stack=cfg.get("decode_stack", True))
-    except ResultsMismatch as err:
-        raise ConfigError(str(err)) from None
-    (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
-    write_memory_report(out_dir / "memory.json", prediction, predictions, loaded)
+    with _locked(out_dir, wait=bool(cfg.get("wait_lock", False))):
+        text = LoadedModel(model_cfg, None, tokenizer)  # the samples need the tokenizer, not the model
+        try:
+            samples = load_samples(cfg, text)
+            for scope in {c.compress_scope for c in configs}:  # every sample has the boundaries its scopes need
+                for sample in samples:
+                    sample.scope_end(scope)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        payload = run_payload(cfg, text, samples, configs)
+        try:
+            from spark_bench.methods.pipeline import sweep_labels
+
+            complete = ResultsDir(out_dir, payload).complete([s.id for s in samples], sweep_labels(configs))
+        except ResultsMismatch as err:
+            raise ConfigError(str(err)) from None
+        loaded = 0
+        if complete:  # nothing to compute: the tables from what is on disk, no model
+            lm = text
+            print(f"spark-bench: {out_dir} already holds every prediction; the model is not loaded", flush=True)
+        else:
+            lm = load_model(model_cfg, resolve_device(cfg.device, model_cfg))
+            loaded = resident_now()
+        print(f"spark-bench: {model_cfg.name} on {cfg.benchmark.name} ({len(samples)} samples) × "
+              f"{len(configs)} method configs → {out_dir}\n  {protocol_line(cfg)}", flush=True)
+        try:
+            predictions = run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True),
+                                    payload=payload, progress=bool(cfg.get("progress", True)) and sys.stderr.isatty(),
+                                    decode_batch=decode_batch, decode_samples=cfg.get("decode_samples", 1),
+                                    decode_stack=cfg.get("decode_stack", True))
+            (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+            if not complete:
+                write_memory_report(out_dir / "memory.json", prediction, predictions, loaded)
+        except ResultsMismatch as err:
+            raise ConfigError(str(err)) from None
+        except OSError as err:  # disk full, permissions changed: what was written stays valid and resumes
+            where = err.filename or out_dir
+            raise ConfigError(f"writing {where} failed: {err.strerror or err}; the predictions written before are "
+                              f"kept and a rerun resumes from them") from None
     print(f"\n{(out_dir / 'table.md').read_text()}\nwall time {time.perf_counter() - start:.0f}s; "
           f"results in {out_dir}", flush=True)
 
@@ -490,7 +592,8 @@ def check_group_choices(argv: list[str]) -> None:
 def _fail(tool: str, cfg: DictConfig | None, err: Exception) -> None:
     if HydraConfig.initialized() and HydraConfig.get().verbose:  # hydra.verbose=true: show the traceback
         raise err
-    print(f"{tool}: error: {err}", file=sys.stderr)
+    for line in str(err).splitlines() or [""]:  # one line per problem (a dry run may find several)
+        print(f"{tool}: error: {line}", file=sys.stderr)
     sys.exit(2)
 
 

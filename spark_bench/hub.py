@@ -13,13 +13,22 @@ A hub repository (a model id such as ``meta-llama/Meta-Llama-3-8B-Instruct`` or 
 When none of them has it, :func:`resolve` raises :class:`HubUnavailable` with one line: what is missing, where it
 looked and the keys that fix it. That replaces huggingface_hub's retry loop (about a minute, then a traceback)
 with an answer in a few seconds.
+
+When the hub is reachable and the repository not on disk, :func:`check_repo` asks the hub about it (its API,
+``/api/<type>s/<id>``, with the user's token) within :func:`timeout_s` seconds, so each answer a user meets is one
+line: gated or unauthorized (which token fixes it), not found, an error, or no answer in time. The same bound is
+given to huggingface_hub's own metadata and download waits (``HF_HUB_ETAG_TIMEOUT``, ``HF_HUB_DOWNLOAD_TIMEOUT``;
+``hub_timeout_s=`` on the command line sets them).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
+import urllib.error
+import urllib.request
 from functools import lru_cache
 from pathlib import Path
 from urllib.parse import urlparse
@@ -29,6 +38,73 @@ PROBE_TIMEOUT_S = 3.0
 
 class HubUnavailable(ValueError):
     """A hub repository is neither on disk nor reachable (reported as one line, exit code 2)."""
+
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+def timeout_s() -> float:
+    """Seconds to wait for the hub's answer (``HF_HUB_ETAG_TIMEOUT``, huggingface_hub's own; default 10)."""
+    try:
+        return max(float(os.environ.get("HF_HUB_ETAG_TIMEOUT", DEFAULT_TIMEOUT_S)), 0.1)
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+
+
+def set_timeout(seconds: float) -> None:
+    """Bound every hub wait of this process: ours and huggingface_hub's metadata and download calls."""
+    os.environ["HF_HUB_ETAG_TIMEOUT"] = os.environ["HF_HUB_DOWNLOAD_TIMEOUT"] = f"{seconds:g}"
+
+
+def _token() -> str | None:
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if token:
+        return token
+    try:
+        from huggingface_hub import get_token
+
+        return get_token()
+    except ImportError:
+        return None
+
+
+def check_repo(repo_id: str, repo_type: str, what: str) -> None:
+    """Ask the hub whether ``repo_id`` can be downloaded with the user's token; :class:`HubUnavailable` (one line)
+    when it is gated or needs a token, does not exist, answers with an error or does not answer in time."""
+    url = f"{endpoint()}/api/{repo_type}s/{repo_id}"
+    request = urllib.request.Request(url, headers={"User-Agent": "spark-bench"})
+    token = _token()
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    wait = timeout_s()
+    try:
+        with urllib.request.urlopen(request, timeout=wait) as response:
+            response.read(1)
+        return
+    except urllib.error.HTTPError as err:
+        code, kind = err.code, err.headers.get("X-Error-Code", "")
+        page = f"{endpoint()}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
+        if code in (401, 403) or kind == "GatedRepo":
+            who = "the token in HF_TOKEN" if token else "no token (HF_TOKEN unset, no `hf auth login`)"
+            raise HubUnavailable(
+                f"{what}: the hub refused {repo_id} (HTTP {code}{', gated' if kind == 'GatedRepo' else ''}) with "
+                f"{who}: accept its license on {page} and set HF_TOKEN (or run `hf auth login`), or set "
+                f"model.path=/local/copy") from None
+        if code == 404 or kind in ("RepoNotFound", "EntryNotFound"):
+            raise HubUnavailable(f"{what}: {repo_id} does not exist on {endpoint()} (HTTP 404); check the id, or set "
+                                 f"model.path=/local/copy") from None
+        raise HubUnavailable(f"{what}: the hub answered HTTP {code} for {repo_id}; retry later, or use a local "
+                             f"copy (model.path=)") from None
+    except (TimeoutError, socket.timeout):
+        raise HubUnavailable(f"{what}: {endpoint()} accepted the connection but sent no answer about {repo_id} within "
+                             f"{wait:g} s (hub_timeout_s=); retry later, or use a local copy (model.path=)") from None
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            raise HubUnavailable(f"{what}: {endpoint()} sent no answer about {repo_id} within {wait:g} s "
+                                 f"(hub_timeout_s=); retry later, or use a local copy (model.path=)") from None
+        raise HubUnavailable(f"{what}: asking {endpoint()} about {repo_id} failed ({reason}); use a local copy "
+                             f"(model.path=)") from None
 
 
 def endpoint() -> str:
@@ -108,6 +184,7 @@ def resolve(repo_id: str, repo_type: str, what: str, fix: str) -> str:
         return str(snapshot)
     reason = unreachable_reason()
     if reason is None:
+        check_repo(repo_id, repo_type, what)
         return repo_id
     raise HubUnavailable(f"{what}: {repo_id} {_missing(reason)}; {fix}")
 
@@ -121,7 +198,7 @@ def describe(repo_id: str, repo_type: str) -> str:
     """Where :func:`resolve` would take ``repo_id`` from, without raising (for dry runs)."""
     try:
         location = resolve(repo_id, repo_type, repo_id, "")
-    except HubUnavailable:
+    except HubUnavailable as err:
         reason = unreachable_reason()
-        return f"NOT AVAILABLE: {repo_id} " + (_missing(reason) if reason else "is not a directory")
+        return f"NOT AVAILABLE: {repo_id} " + (_missing(reason) if reason else str(err))
     return "the hub (downloaded on first use)" if location == repo_id and not Path(repo_id).is_dir() else location

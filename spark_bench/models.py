@@ -221,9 +221,33 @@ def resolve_sources(cfg: ModelConfig) -> ModelConfig:
 
     if cfg.source == "hub":
         cfg = replace(cfg, path=where(cfg.path, "model.path"))
+        if Path(cfg.path).is_dir():
+            check_model_dir(Path(cfg.path))
     if cfg.source == "random" and cfg.tokenizer and cfg.tokenizer.get("source") == "hub":
         cfg = replace(cfg, tokenizer={**cfg.tokenizer, "path": where(cfg.tokenizer["path"], "model.tokenizer.path")})
     return cfg
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def check_model_dir(path: Path) -> None:
+    """A local model directory holds what ``from_pretrained`` reads: a valid ``config.json`` and weights; raises
+    :class:`~spark_bench.hub.HubUnavailable` (one line) otherwise."""
+    import json
+
+    config = path / "config.json"
+    fix = "(a directory from `hf download <id> --local-dir DIR` holds config.json, the tokenizer and *.safetensors)"
+    if not config.is_file():
+        raise hub.HubUnavailable(f"model.path: {path} has no config.json {fix}")
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise hub.HubUnavailable(f"model.path: {config} is not valid JSON ({err})") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise hub.HubUnavailable(f"model.path: {config} names no model_type {fix}")
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
+        raise hub.HubUnavailable(f"model.path: {path} holds no weights ({', '.join(WEIGHT_FILES)}) {fix}")
 
 
 def load_model(cfg: ModelConfig, device: str = "auto") -> LoadedModel:

@@ -11,8 +11,9 @@ in one batch (one model forward per step, at most the task's ``max_new_tokens`` 
   operations that does not depend on the number of configs (stacked rows, ``scripts/bench/ops.py``), and a small
   decode batch on a GPU is bound by what it dispatches: step time = ops per step × time per op, the ops scaled by
   the model's layer count from the measured SmolLM2 count (30 layers);
-* memory: the prefill's dense KV at ``S`` plus every config's compressed cache of one sample
-  (:func:`spark_bench.memory.plan`, the real stores' bytes).
+* memory: the prefill's dense KV at ``S`` plus every config's compressed cache of one sample, tensors the configs
+  share counted once (:func:`spark_bench.memory.predict_run`, the real stores' bytes; the run's peak is printed
+  with it).
 
 The constants (:data:`DEVICES`) are copies of measured figures, each with the file and field it came from; a test
 checks them against the tracked files. They are bounds and estimates, not promises: the H100 figures were measured
@@ -27,7 +28,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from spark_bench.memory import GIB, Arch, plan as memory_plan
+from spark_bench.memory import GIB, Arch, predict_run
 from spark_bench.methods import MethodConfig
 from spark_bench.models import ModelConfig
 
@@ -158,7 +159,8 @@ class Cost:
     def lines(self) -> list[str]:
         out = [f"plan: {self.samples} samples × {self.configs} configs; prompts ≤ {self.prompt_tokens} tokens; "
                f"≤ {self.decode_forwards} decode forwards (every config of a sample in one batch)",
-               f"plan: KV per sample ≤ {self.kv_gib_per_sample:.2f} GiB (prefill + every config's compressed cache), "
+               f"plan: KV per sample ≤ {self.kv_gib_per_sample:.2f} GiB (prefill + every config's compressed cache, "
+               f"shared tensors once), "
                f"weights {self.weights_gib:.1f} GiB"]
         for key, (prefill, decode) in self.hours.items():
             device = DEVICES[key]
@@ -173,10 +175,9 @@ def estimate(model: ModelConfig, configs: list[MethodConfig], work: list[TaskWor
     samples = sum(w.samples for w in work)
     forwards = sum(w.samples * w.new_tokens for w in work)
     gen = max((w.new_tokens for w in work), default=0)
-    plans = [memory_plan(c, model, prompt_tokens, gen, 80.0) for c in configs]
-    full = memory_plan(MethodConfig(name="full"), model, prompt_tokens, 0, 80.0)
-    kv = full.kv_bytes_per_sequence + sum(p.kv_bytes_per_sequence for p in plans)
-    weights = plans[0].weights_bytes if plans else full.weights_bytes
+    one = predict_run(model, configs, prompt_tokens, gen, None, 1).devices[0]  # every config's rows in one batch
+    kv = one.prefill_kv + one.caches  # shared tensors once, as the pipeline shares them
+    weights = one.weights
     hours = {}
     for key, device in DEVICES.items():
         flops = prefill_flops(arch.num_params, arch.num_layers, arch.num_heads, arch.head_dim, prompt_tokens)

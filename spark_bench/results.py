@@ -7,13 +7,21 @@
   ``timings.jsonl`` so predictions are byte-identical between runs of the same seed and config.
 * At the end, predictions are rewritten in canonical order (samples × configs) and the tables are written, each
   through a temporary file and an atomic rename, so every file is always complete.
+* A directory that holds no prediction yet (a run that stopped before its first sample, e.g. a crash after the
+  model loaded) never blocks a rerun: its manifest is replaced by the new configuration's.
+* :func:`run_lock`: one run at a time per directory (an OS file lock on ``.lock``, released by the kernel when the
+  process ends, so a killed run leaves no stale lock).
 """
 
 from __future__ import annotations
 
+import datetime
+import fcntl
 import hashlib
 import json
 import os
+import socket
+from contextlib import contextmanager
 from pathlib import Path
 
 TIMING_FIELDS = ("prefill_s", "compress_s", "decode_s", "peak_mem_bytes")
@@ -65,6 +73,10 @@ class ResultsDir:
     def open(self) -> list[dict]:
         """Create or reopen the directory; the completed prediction records (for resume)."""
         manifest = self.path / "manifest.json"
+        if manifest.exists() and not self._holds_predictions():  # nothing computed under it: the new config wins
+            manifest.unlink()
+            for stale in (self.predictions, self.timings):
+                stale.unlink(missing_ok=True)
         if manifest.exists():
             old = json.loads(manifest.read_text(encoding="utf-8"))
             if old.get("fingerprint") != self.key:
@@ -79,6 +91,20 @@ class ResultsDir:
                                               sort_keys=True, default=str))
         read_complete_lines(self.timings)
         return read_complete_lines(self.predictions)
+
+    def _holds_predictions(self) -> bool:
+        return self.predictions.exists() and b"\n" in self.predictions.read_bytes()
+
+    def complete(self, ids: list[str], labels: list[str]) -> bool:
+        """Whether every (sample, config) prediction is already here under this configuration (read only;
+        :class:`ResultsMismatch` when the directory holds predictions of another configuration)."""
+        manifest = self.path / "manifest.json"
+        if not manifest.exists() or not self._holds_predictions():
+            return False
+        if json.loads(manifest.read_text(encoding="utf-8")).get("fingerprint") != self.key:
+            self.open()  # raises the mismatch, naming what differs
+        done = {(r["id"], r["config"]) for r in read_complete_lines(self.predictions)}
+        return all((i, label) in done for i in ids for label in labels)
 
     def append(self, records: list[dict]) -> None:
         """Durably append one sample's records (predictions, then timings)."""
@@ -97,3 +123,31 @@ class ResultsDir:
                                                           ensure_ascii=False) + "\n" for r in records))
         for name, text in tables.items():
             atomic_write(self.path / name, text)
+
+
+@contextmanager
+def run_lock(path: Path, wait: bool = False):
+    """Hold ``path/.lock`` exclusively for the block (``fcntl.flock``: the kernel drops it when the process dies).
+    When another run holds it: :class:`RunLocked` naming the holder, or with ``wait`` block until it is free."""
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / ".lock", "a+", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise RunLocked(f"{path} is being written by {holder}; wait for it (wait_lock=true waits), or choose "
+                            f"another run=") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                     f"{datetime.datetime.now().isoformat(timespec='seconds')}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class RunLocked(ValueError):
+    """Another run holds the results directory."""

@@ -61,11 +61,19 @@ def test_offline_ruler_qa_without_files_names_the_key(offline_env, tmp_path):
     assert "ruler.squad_file" in line and "rajpurkar/squad_v2" in line
 
 
-def test_dry_run_reports_sources_without_failing(offline_env):
+def test_dry_run_reports_sources_and_exits_2_when_the_run_would_stop(offline_env):
     proc, _ = cli(["model=llama3-8b", "benchmark=longbench", "method=snapkv", "dry_run=true"], offline_env)
-    assert proc.returncode == 0, proc.stderr
     assert f"source: model llama3-8b: NOT AVAILABLE: {LLAMA3} is not on disk" in proc.stdout
     assert "source: LongBench data: NOT AVAILABLE" in proc.stdout
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()  # one line per problem: the model, then the data
+    assert len(lines) == 2 and all(line.startswith("spark-bench: error: the run would stop: ") for line in lines)
+    assert LLAMA3 in lines[0] and "longbench.data_dir" in lines[1]
+
+
+def test_dry_run_of_a_runnable_config_exits_0(offline_env):
+    proc, _ = cli(["model=tiny-llama", "method=snapkv", "budget=64", "dry_run=true"], offline_env)
+    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.parametrize("arg, group", [("model=nope", "model"), ("method=snapkv,bogus", "method"),

@@ -87,7 +87,7 @@ def test_default_is_the_offline_demo_sweep():
 
 
 def test_bad_method_option_is_one_clear_error():
-    with pytest.raises(ConfigError, match=r"method: ratio must be in \[0, 1\), got 1.5"):
+    with pytest.raises(ConfigError, match=r"method: ratio must be a number >= 0 and < 1; got 1.5"):
         method_configs(_compose(["method=spark", "ratio=1.5"]))
 
 

@@ -154,9 +154,18 @@ def main() -> None:
         lines += ["", "## Memory planner (LLaMA-3.1-8B, 80 GiB, 8192 + 128 tokens)", "",
                   "| method | B/token/kv-head | KV GiB/sequence | max batch |", "|---|---|---|---|"]
         lines += [f"| {p['method']} | {p['bytes_per_token_per_kv_head']:.1f} | "
-                  f"{p['kv_bytes_per_sequence'] / 1024 ** 3:.3f} | {p['max_batch']} |" for p in m]
+                  f"{p['kv_bytes_per_sequence'] / 1024 ** 3:.3f} | {p['max_batch']} |" for p in m["plans"]]
         lines += ["", "Paper (Appendix, 80 GB): full 72, SparK 0.5: 222, SparK 0.8: 241 — see the README for why "
                       "key-only SparK cannot triple the batch by itself."]
+    peak = load("memory_peak")
+    if peak:
+        lines += ["", "## A run's peak memory: predicted before the model loads vs measured (this CPU, resident set)", "",
+                  "| run | predicted MiB | measured MiB | measured / predicted | above the loaded model: predicted → "
+                  "measured MiB |", "|---|---|---|---|---|"]
+        for name, r in peak["cases"].items():
+            lines.append(f"| {name} | {r['predicted_peak_mib']} | {r['measured_peak_mib']} | "
+                         f"{r['measured_over_predicted']} ({verdict(0.8 <= r['measured_over_predicted'] <= 1.2)}) | "
+                         f"{r['predicted_dynamic_mib']} → {r['measured_dynamic_mib']} |")
     (OUT / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 

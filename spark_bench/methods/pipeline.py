@@ -22,6 +22,7 @@ from spark_bench.methods.eviction.pyramidkv import FALLBACKS, PyramidKV
 from spark_bench.methods.eviction.snapkv import BUDGET_ROUNDINGS, SnapKV
 from spark_bench.methods.eviction.streamingllm import StreamingLLM
 from spark_bench.methods.eviction.tova import TOVA
+from spark_bench.options import FRACTION, POSITIVE_INT, Option, check_all
 from spark_bench.storage.stores import DenseStore
 
 
@@ -62,6 +63,19 @@ CHOICES = {"compress_scope": COMPRESS_SCOPES, "saliency": SALIENCY_MODES, "recov
            "ada_safeguard": SAFEGUARDS, "value_score": VALUE_SCORES, "value_fill": VALUE_FILLS,
            "saliency_dtype": SALIENCY_DTYPES, "budget_rounding": BUDGET_ROUNDINGS,
            "group_fork_fill": GROUP_FORK_FILLS}
+
+# every method option's type and range (:mod:`spark_bench.options`), checked when a MethodConfig is made
+OPTION_TYPES = {
+    "budget": Option("number", 0, open_low=True),  # tokens (>= 1) or a fraction of the prompt (< 1)
+    "ratio": FRACTION, "value_ratio": FRACTION,
+    "window_size": POSITIVE_INT, "channel_window": Option("int", 1, nullable=True, null="window_size"),
+    "kernel_size": Option("int", 1, odd=True),  # SnapKV's pooling keeps a token's neighbours on both sides
+    "top_p": Option("number", 0, 1, open_low=True), "groups": Option("int", choices=tuple(sorted(GROUP_RATIOS))),
+    "constant": Option("number"), "seed": Option("int"),
+    "think_keep_window": Option("bool"), "window_q_norm": Option("bool"),
+    "n_sink": Option("int", 0), "beta": Option("int", 1), "alpha_safeguard": Option("number", 0, 1),
+    **{key: Option("str", choices=tuple(allowed)) for key, allowed in CHOICES.items()},
+}
 
 
 @dataclass(frozen=True)
@@ -125,20 +139,7 @@ class MethodConfig:
     def __post_init__(self):
         if self.name not in METHOD_NAMES:
             raise ValueError(f"unknown method {self.name!r}; valid: {', '.join(METHOD_NAMES)}")
-        for key in ("ratio", "value_ratio"):
-            if not 0 <= getattr(self, key) < 1:
-                raise ValueError(f"{key} must be in [0, 1), got {getattr(self, key)}")
-        for key, allowed in CHOICES.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{key} must be one of {', '.join(allowed)}; got {getattr(self, key)!r}")
-        for key in ("window_size", "channel_window"):
-            value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{key} must be a positive integer (tokens), got {value!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.groups not in GROUP_RATIOS:
-            raise ValueError(f"groups must be one of {sorted(GROUP_RATIOS)}, got {self.groups}")
+        check_all({f.name: getattr(self, f.name) for f in fields(self)}, OPTION_TYPES)
 
     @classmethod
     def from_dict(cls, values: dict) -> "MethodConfig":

@@ -1,0 +1,283 @@
+"""First contact (issue 22): every bad input and unusable place is refused before the model or its tokenizer loads,
+in one line naming the key, with nothing written; a hub that refuses, lacks or never answers is one line within the
+bounded wait; one run at a time per directory; a crashed or complete run never blocks or reloads."""
+
+import http.server
+import json
+import os
+import signal
+import socketserver
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_protocol import _compose
+
+import spark_bench.cli as cli
+import spark_bench.models as models
+from spark_bench.cli import ConfigError, check_group_choices
+
+FIXTURES = Path(__file__).parent / "fixtures"
+BASE = ["model=tiny-llama", "benchmark.tasks=[niah_single_1]", "benchmark.num_samples=1", "benchmark.length=512",
+        "benchmark.max_new_tokens=4", "progress=false"]
+
+
+def _longbench(tmp_path, text):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "hotpotqa.jsonl").write_text(text)
+    return ["benchmark=longbench", "benchmark.tasks=[hotpotqa]", f"longbench.data_dir={tmp_path / 'data'}"]
+
+
+def _data_file(tmp_path, records):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return [f"benchmark.data_file={path}"]
+
+
+def _sample(ids):
+    return {"id": "s0", "task": "niah_single_1", "input_ids": ids, "answers": ["x"], "metric": "string_match_all",
+            "max_new_tokens": 4}
+
+
+def _model_dir(tmp_path, config):
+    d = tmp_path / "model"
+    d.mkdir()
+    if config is not None:
+        (d / "config.json").write_text(config)
+    return ["model=llama3-8b", f"model.path={d}"]
+
+
+def _file(tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    return [f"output_root={tmp_path / 'taken'}"]
+
+
+# case → (overrides, or a function of tmp_path giving them; a piece of the one-line message)
+BAD = {
+    "unknown model": (["model=nope"], "model=nope: no such model config"),
+    "unknown method": (["method=nope"], "method=nope: no such method config"),
+    "unknown benchmark": (["benchmark=nope"], "benchmark=nope: no such benchmark config"),
+    "unknown sweep": (["sweep=nope"], "sweep=nope: no such sweep config"),
+    "unknown experiment": (["+experiment=nope"], "experiment=nope: no such experiment config"),
+    "unknown top-level key": (["+bogus_key=1"], "unknown key(s) bogus_key; valid top-level keys:"),
+    "decode_batch zero": (["decode_batch=0"], "decode_batch must be an integer >= 1, or null"),
+    "decode_batch text": (["decode_batch=abc"], "decode_batch must be an integer >= 1, or null"),
+    "decode_samples zero": (["decode_samples=0"], "decode_samples must be an integer >= 1; got 0"),
+    "decode_stack not bool": (["decode_stack=maybe"], "decode_stack must be true or false; got 'maybe'"),
+    "wait_lock not bool": (["wait_lock=2"], "wait_lock must be true or false; got 2"),
+    "hub_timeout_s zero": (["hub_timeout_s=0"], "hub_timeout_s must be a number > 0; got 0"),
+    "budget text": (["method=snapkv", "budget=abc"], "method: budget must be a number > 0; got 'abc'"),
+    "budget zero": (["method=snapkv", "budget=0"], "method: budget must be a number > 0; got 0"),
+    "budget negative": (["method=snapkv", "budget=-5"], "method: budget must be a number > 0; got -5"),
+    "budget below window": (["method=snapkv", "budget=16"], "budget=16 (16 tokens) is smaller than the observation"),
+    "ratio null": (["method=spark", "ratio=null"], "method: ratio must be a number >= 0 and < 1; got None"),
+    "ratio one or more": (["method=spark", "ratio=1.2"], "method: ratio must be a number >= 0 and < 1; got 1.2"),
+    "value_ratio negative": (["method=spark", "value_ratio=-0.1"], "value_ratio must be a number >= 0 and < 1"),
+    "kernel_size even": (["method=snapkv", "budget=64", "kernel_size=4"], "kernel_size must be an odd integer >= 1"),
+    "kernel_size zero": (["method=snapkv", "budget=64", "kernel_size=0"], "kernel_size must be an odd integer >= 1"),
+    "n_sink negative": (["method=streamingllm", "budget=64", "n_sink=-1"], "n_sink must be an integer >= 0; got -1"),
+    "beta zero": (["method=pyramidkv", "budget=64", "beta=0"], "beta must be an integer >= 1; got 0"),
+    "seed not integer": (["method=spark", "ratio=0.5", "seed=1.5"], "seed must be an integer; got 1.5"),
+    "top_p zero": (["method=spark", "variant=top_p", "top_p=0"], "top_p must be a number > 0 and <= 1; got 0"),
+    "groups": (["method=spark", "variant=group", "groups=3"], "groups must be one of 4, 5; got 3"),
+    "recovery": (["method=spark", "recovery=uniform"], "recovery must be one of degenerate"),
+    "budget_rounding": (["method=snapkv", "budget_rounding=up"], "budget_rounding must be one of exact, official"),
+    "window_size zero": (["method=snapkv", "window_size=0"], "window_size must be an integer >= 1; got 0"),
+    "channel_window negative": (["method=spark", "channel_window=-1"], "channel_window must be an integer >= 1"),
+    "alpha_safeguard above 1": (["method=adasnapkv", "alpha_safeguard=2"], "alpha_safeguard must be a number >= 0"),
+    "think_keep_window not bool": (["method=think", "think_keep_window=maybe"], "think_keep_window must be true or"),
+    "num_samples zero": (["benchmark.num_samples=0"], "benchmark.num_samples must be an integer >= 1, or null"),
+    "tasks empty": (["benchmark.tasks=[]"], "benchmark.tasks must be a non-empty list"),
+    "unknown task": (["benchmark.tasks=[niah_nope]"], "unknown RULER task(s) ['niah_nope']"),
+    "length zero": (["benchmark.length=0"], "benchmark.length must be an integer >= 1; got 0"),
+    "length above context": (["benchmark.length=100000"], "benchmark.length=100000 exceeds model tiny-llama"),
+    "max_new_tokens zero": (["benchmark.max_new_tokens=0"], "benchmark.max_new_tokens must be an integer >= 1"),
+    "ruler source": (["ruler.source=web"], "ruler.source must be one of generate, kvpress; got 'web'"),
+    "essay file missing": (["ruler.essay_file=/no/essays.json"], "ruler.essay_file: /no/essays.json does not exist"),
+    "device unknown": (["device=tpu"], "device must be one of auto, cpu, cuda, cuda:N; got 'tpu'"),
+    "device without cuda": (["device=cuda"], "device=cuda: this machine has 0 CUDA device(s)"),
+    "shard reversed": (["shard=3/2"], "shard=3/2: need 0 <= i < n"),
+    "shard text": (["shard=half"], "shard must look like i/n"),
+    "memory limit negative": (["memory.limit_gib=-1"], "memory.limit_gib must be a number > 0, or null"),
+    "memory check not bool": (["memory.check=maybe"], "memory.check must be true or false"),
+    "device map unknown": (["model.device_map=everywhere"], "model: device_map must be null, one of auto"),
+    "max_memory without map": (["model.max_memory={0:1GiB}"], "model: max_memory caps a device map's placement"),
+    "rouge backend": (["benchmark=longbench", "longbench.rouge_backend=bleu"], "longbench.rouge_backend must be one"),
+    "longbench protocol": (["benchmark=longbench", "longbench.protocol=nope"], "longbench.protocol must be one of"),
+    "longbench data dir missing": (["benchmark=longbench", "longbench.data_dir=/no/such/dir"],
+                                   "longbench.data_dir: /no/such/dir is not a directory"),
+    "longbench task file empty": (lambda t: _longbench(t, ""), "hotpotqa.jsonl in"),
+    "longbench record malformed": (lambda t: _longbench(t, '{"input": "q"}\n{oops\n'), "hotpotqa.jsonl:"),
+    "data file missing": (["benchmark.data_file=/no/data.jsonl"], "benchmark.data_file: /no/data.jsonl does not"),
+    "data file empty": (lambda t: _data_file(t, []), "holds no samples"),
+    "data file token ids outside the vocabulary": (lambda t: _data_file(t, [_sample([1, 2, 10 ** 7])]),
+                                                   "token ids outside model tiny-llama's vocabulary (0 … 49151"),
+    "model dir empty": (lambda t: _model_dir(t, None), "has no config.json"),
+    "model dir broken config": (lambda t: _model_dir(t, "{not json"), "config.json is not valid JSON"),
+    "model dir without weights": (lambda t: _model_dir(t, '{"model_type": "llama"}'), "holds no weights"),
+    "output_root is a file": (_file, "is a file, not a directory"),
+}
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if anything loads a model or a tokenizer."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model or tokenizer was loaded")
+
+    monkeypatch.setattr(cli, "load_model", refuse)
+    monkeypatch.setattr(models, "load_tokenizer", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_refused_before_anything_loads(case, tmp_path, no_loading):
+    overrides, message = BAD[case]
+    work = tmp_path / "work"
+    work.mkdir()
+    if callable(overrides):
+        overrides = overrides(work)
+    base = ["model=tiny-llama", "progress=false"] if "benchmark=longbench" in overrides else BASE  # RULER keys
+    args = [*base, f"output_root={tmp_path / 'out'}", *overrides]
+    before = set(tmp_path.rglob("*"))
+    with pytest.raises(ConfigError) as err:
+        check_group_choices(args)
+        try:
+            cfg = _compose(args)
+        except Exception as compose_error:  # noqa: BLE001 — a Hydra composition error is a test failure here
+            pytest.fail(f"Hydra refused the overrides itself: {compose_error}")
+        cli.run(cfg, Path(cfg.output_root) / cfg.run)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert set(tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_there_are_at_least_forty_bad_inputs():
+    assert len(BAD) >= 40
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_a_read_only_output_root_is_refused(tmp_path, no_loading):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    cfg = _compose([*BASE, f"output_root={ro}"])
+    with pytest.raises(ConfigError, match="is not writable"):
+        cli.run(cfg, ro / cfg.run)
+
+
+# ---- a stand-in hub on 127.0.0.1 ---------------------------------------------------------------------------------
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        mode = self.server.mode
+        if mode == "hang":
+            time.sleep(30)
+            return
+        code, error = {"gated": (401, "GatedRepo"), "missing": (404, "RepoNotFound")}[mode]
+        self.send_response(code)
+        self.send_header("X-Error-Code", error)
+        self.end_headers()
+        self.wfile.write(b'{"error": "nope"}')
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stand_in_hub(tmp_path):
+    servers = []
+
+    def start(mode):
+        server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Hub)
+        server.daemon_threads = True
+        server.mode = mode
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+                "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "", "HF_TOKEN": ""}
+
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("mode,message", [
+    ("gated", "the hub refused meta-llama/Meta-Llama-3-8B-Instruct (HTTP 401, gated) with no token"),
+    ("missing", "meta-llama/Meta-Llama-3-8B-Instruct does not exist on http://127.0.0.1"),
+    ("hang", "accepted the connection but sent no answer about meta-llama/Meta-Llama-3-8B-Instruct within 2 s"),
+])
+def test_hub_answers_are_one_line_within_the_bounded_wait(stand_in_hub, tmp_path, mode, message):
+    env = stand_in_hub(mode)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "model=llama3-8b", "method=snapkv",
+                           "hub_timeout_s=2", f"output_root={tmp_path / 'out'}"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 2 and seconds < 20, (proc.returncode, seconds)
+    (line,) = proc.stderr.strip().splitlines()
+    assert message in line and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ---- one run per directory; crashed and complete runs ------------------------------------------------------------
+
+def _run(tmp_path, run="r", extra=()):
+    cfg = _compose([*BASE, "method=snapkv", "budget=64", f"output_root={tmp_path}", f"run={run}", *extra])
+    cli.run(cfg, tmp_path / run)
+
+
+def test_a_locked_directory_is_refused_and_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    (tmp_path / "r").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from spark_bench.results import run_lock\n"
+        f"with run_lock(Path({str(tmp_path / 'r')!r})):\n    print('held', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(ConfigError, match=rf"run=r: .* is being written by pid {holder.pid} on"):
+        _run(tmp_path)
+    assert not (tmp_path / "r" / "predictions.jsonl").exists()
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    _run(tmp_path)  # the kernel released the lock with the process
+    assert (tmp_path / "r" / "predictions.jsonl").read_text().count("\n") == 1
+
+
+def test_a_crash_after_the_model_loaded_never_blocks_the_corrected_rerun(tmp_path, monkeypatch):
+    import spark_bench.runner as runner
+
+    def crash(*args, **kwargs):
+        raise ZeroDivisionError("a crash in the first sample")
+
+    monkeypatch.setattr(runner, "run_samples", crash)
+    with pytest.raises(ZeroDivisionError):
+        _run(tmp_path, extra=["kernel_size=5"])
+    assert (tmp_path / "r" / "manifest.json").exists()
+    monkeypatch.undo()
+    _run(tmp_path, extra=["kernel_size=7"])  # another configuration, same run=: accepted, nothing was computed
+    assert (tmp_path / "r" / "predictions.jsonl").read_text().count("\n") == 1
+
+
+def test_a_complete_run_is_rerun_without_loading_the_model(tmp_path, monkeypatch, capsys):
+    _run(tmp_path)
+    table = (tmp_path / "r" / "table.md").read_bytes()
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    _run(tmp_path)
+    assert "already holds every prediction; the model is not loaded" in capsys.readouterr().out
+    assert (tmp_path / "r" / "table.md").read_bytes() == table
+
+
+def test_a_write_failure_mid_run_is_one_line_and_resumes(tmp_path, monkeypatch):
+    from spark_bench.results import ResultsDir
+
+    def full(self, records):
+        raise OSError(28, "No space left on device", str(self.predictions))
+
+    monkeypatch.setattr(ResultsDir, "append", full)
+    with pytest.raises(ConfigError) as err:
+        _run(tmp_path)
+    assert "predictions.jsonl failed: No space left on device" in str(err.value) and "\n" not in str(err.value)
+    monkeypatch.undo()
+    _run(tmp_path)
+    assert (tmp_path / "r" / "table.md").exists()
