@@ -46,11 +46,12 @@ bench: $(STAMP)
 
 # Paper tables: run the experiment, then its report beside the paper's numbers (the paper's tables ship inside the
 # package: `--paper tab_main`). They need GPUs and hub access (except paper-shape); `make table1 DRY_RUN=true` only
-# validates the configs, prints the plan and checks that the paper table resolves.
+# checks that the paper table resolves, validates the configs and prints the plan, and exits 2 (one line per
+# problem) when the real run would stop at start-up, e.g. the model or the data not on this machine.
 DRY_RUN ?= false
 define experiment
-	$(BIN)/spark-bench +experiment=$(1) dry_run=$(DRY_RUN)
 	if [ "$(DRY_RUN)" = true ] && [ -n "$(3)" ]; then $(BIN)/spark-bench-report --check $(3); fi
+	$(BIN)/spark-bench +experiment=$(1) dry_run=$(DRY_RUN)
 	if [ "$(DRY_RUN)" != true ]; then $(BIN)/spark-bench-report results/$(1) --layout $(2) $(3) --out results/$(1)/report $(4); fi
 endef
 

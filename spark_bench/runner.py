@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.metrics import score
-from spark_bench.engine.clock import peak_memory, reset_peak
+from spark_bench.engine.clock import mapped_large_blocks, peak_memory, reset_peak, return_freed_memory
 from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.engine.prefill import Prefill, run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
@@ -96,15 +96,17 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
         chunk = plan[first:first + size]
         rows, built = [], []
         reset_peak(lm.devices)
-        for k, (i, pipeline) in enumerate(chunk, first):
-            if i not in prefills:
-                prefills[i] = _prefill(lm, work[i][0], work[i][1])
-                facts[i] = (prefills[i].prompt_length, prefills[i].dense_kv_bytes(), prefills[i].seconds)
-            row, measured = _build_row(lm, work[i][0], pipeline, prefills[i], selections.setdefault(i, {}))
-            rows.append(row)
-            built.append(measured)
-            if k == last[i]:
-                del prefills[i], selections[i]
+        with mapped_large_blocks():  # CPU: large temporaries go back to the system when freed (clock.py)
+            for k, (i, pipeline) in enumerate(chunk, first):
+                if i not in prefills:
+                    prefills[i] = _prefill(lm, work[i][0], work[i][1])
+                    facts[i] = (prefills[i].prompt_length, prefills[i].dense_kv_bytes(), prefills[i].seconds)
+                row, measured = _build_row(lm, work[i][0], pipeline, prefills[i], selections.setdefault(i, {}))
+                rows.append(row)
+                built.append(measured)
+                if k == last[i]:
+                    del prefills[i], selections[i]
+        return_freed_memory()  # what compression freed, before decoding allocates its tail
         decode_rows(lm.model, rows, stack=decode_stack, release=True)
         peak = peak_memory(lm.devices)
         for (i, pipeline), (compress_s, kv_bytes, key_ratio), row in zip(chunk, built, rows):

@@ -63,9 +63,12 @@ def summarize(report: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("results/bench/memory_peak.json"))
+    parser.add_argument("--only", help="run only the cases whose name contains this")
     args = parser.parse_args()
     results = {}
     for name, case in CASES.items():
+        if args.only and args.only not in name:
+            continue
         results[name] = summarize(run_case(case))
         print(name, results[name], flush=True)
     ratios = [r["measured_over_predicted"] for r in results.values()]
