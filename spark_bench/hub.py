@@ -95,14 +95,12 @@ def check_repo(repo_id: str, repo_type: str, what: str) -> None:
                                  f"model.path=/local/copy") from None
         raise HubUnavailable(f"{what}: the hub answered HTTP {code} for {repo_id}; retry later, or use a local "
                              f"copy (model.path=)") from None
-    except (TimeoutError, socket.timeout):
-        raise HubUnavailable(f"{what}: {endpoint()} accepted the connection but sent no answer about {repo_id} within "
-                             f"{wait:g} s (hub_timeout_s=); retry later, or use a local copy (model.path=)") from None
-    except (urllib.error.URLError, OSError) as err:
+    except OSError as err:  # URLError (refused, DNS) or a timeout while connecting or reading
         reason = getattr(err, "reason", err)
-        if isinstance(reason, (TimeoutError, socket.timeout)):
-            raise HubUnavailable(f"{what}: {endpoint()} sent no answer about {repo_id} within {wait:g} s "
-                                 f"(hub_timeout_s=); retry later, or use a local copy (model.path=)") from None
+        if isinstance(err, TimeoutError) or isinstance(reason, TimeoutError):
+            raise HubUnavailable(f"{what}: {endpoint()} accepted the connection but sent no answer about {repo_id} "
+                                 f"within {wait:g} s (hub_timeout_s=); retry later, or use a local copy "
+                                 f"(model.path=)") from None
         raise HubUnavailable(f"{what}: asking {endpoint()} about {repo_id} failed ({reason}); use a local copy "
                              f"(model.path=)") from None
 
