@@ -2,9 +2,9 @@
 ``spark-bench-memory`` (memory planner) and ``spark-bench-merge`` (join shards): the Hydra front ends of
 :mod:`spark_bench.runner`.
 
-Every input is checked before the model loads (:func:`validate`): a bad name, value, path or data record gives
-one line on stderr naming the key or file, exit code 2, and nothing written (``hydra.verbose=true`` shows the
-traceback). Hydra's own bookkeeping goes to a scratch directory; results go to ``<output_root>/<run>/``
+Every input is checked before the model loads (:func:`validate`, with :mod:`spark_bench.checks`): a bad name,
+value, path or data record gives one line on stderr naming the key or file, exit code 2, and nothing written
+(``hydra.verbose=true`` shows the traceback). Hydra's own bookkeeping goes to a scratch directory; results go to ``<output_root>/<run>/``
 (``/<job number>`` in multiruns, ``/shard-<i>-of-<n>`` with ``shard=i/n``).
 """
 
@@ -24,16 +24,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from spark_bench import hub
+from spark_bench.checks import (
+    CONF_DIR, ConfigError, check_file, check_group_choices, check_options, check_output, check_token_ids, cuda_exists,
+    parse_shard, resolve_device,
+)
 from spark_bench.models import ModelConfig, load_model, resolve_sources
 
 # torch / transformers / the method and benchmark modules are imported inside the functions that need them, after
 # the cheap checks (config group names, model and data sources), so a missing model fails in about a second.
 WINDOWED = ("snapkv", "pyramidkv", "adasnapkv")   # evictions that always keep the observation window
 SINKED = ("streamingllm", "expected_attention")   # evictions that always keep n_sink tokens
-
-
-class ConfigError(ValueError):
-    """Bad user input: reported as one line, exit code 2."""
 
 
 def method_options() -> tuple[str, ...]:
@@ -80,23 +80,6 @@ def model_config(cfg: DictConfig) -> ModelConfig:
         raise ConfigError(f"model: {err}") from None
 
 
-def parse_shard(shard) -> tuple[int, int] | None:
-    if shard in (None, ""):
-        return None
-    try:
-        i, n = (int(x) for x in str(shard).split("/"))
-    except ValueError:
-        raise ConfigError(f"shard must look like i/n (e.g. shard=0/4), got {shard!r}") from None
-    if not 0 <= i < n:
-        raise ConfigError(f"shard={shard}: need 0 <= i < n")
-    return i, n
-
-
-def _check_file(key: str, path) -> None:
-    if path is not None and not Path(path).is_file():
-        raise ConfigError(f"{key}: {path} does not exist")
-
-
 def validate(cfg: DictConfig, sources: bool = True) -> tuple[ModelConfig, list[MethodConfig]]:
     """Everything that can be checked without the model; raises :class:`ConfigError`.
 
@@ -107,57 +90,6 @@ def validate(cfg: DictConfig, sources: bool = True) -> tuple[ModelConfig, list[M
         return _validate(cfg, sources)
     except hub.HubUnavailable as err:
         raise ConfigError(str(err)) from None
-
-
-def check_options(cfg: DictConfig) -> None:
-    """Every top-level key is known (``+typo=1`` is refused) and every run, benchmark, data and memory option has
-    its declared type and range (:mod:`spark_bench.options`)."""
-    from spark_bench.options import (
-        BENCHMARK_OPTIONS, LONGBENCH_OPTIONS, MEMORY_OPTIONS, RULER_OPTIONS, RUN_OPTIONS, check_all,
-    )
-
-    known = set(OmegaConf.load(CONF_DIR / "config.yaml")) | {"model", "benchmark", "method", "sweep", "hydra"}
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(unknown)}; valid top-level keys: {', '.join(sorted(known))}")
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    try:
-        check_all(plain, RUN_OPTIONS)
-        for prefix, options in (("benchmark.", BENCHMARK_OPTIONS), ("longbench.", LONGBENCH_OPTIONS),
-                                ("ruler.", RULER_OPTIONS), ("memory.", MEMORY_OPTIONS)):
-            check_all(plain.get(prefix[:-1]) or {}, options, prefix)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-
-
-def check_output(out_dir: Path) -> None:
-    """The results directory can be made and written: no file in its place or above it, the nearest existing
-    directory writable. Nothing is created here."""
-    import os
-
-    for place in (out_dir, *out_dir.parents):
-        if place.exists():
-            if not place.is_dir():
-                raise ConfigError(f"output_root/run: {place} is a file, not a directory; choose another "
-                                  f"output_root= or run=")
-            if not os.access(place, os.W_OK | os.X_OK):
-                raise ConfigError(f"output_root/run: {place} is not writable; choose another output_root=")
-            return
-
-
-def check_token_ids(samples, model: ModelConfig, key: str) -> None:
-    """Every token id of exported samples is inside the model's vocabulary (its ``config.json`` or ``arch:``)."""
-    from spark_bench.memory import Arch
-
-    try:
-        vocab = Arch.of(model).vocab_size
-    except ValueError:
-        return  # no shape known: the model's own embedding will say so
-    for sample in samples:
-        if sample.input_ids and (max(sample.input_ids) >= vocab or min(sample.input_ids) < 0):
-            raise ConfigError(f"{key}: sample {sample.id} has token ids outside model {model.name}'s vocabulary "
-                              f"(0 … {vocab - 1}; found {min(sample.input_ids)} … {max(sample.input_ids)}): "
-                              f"exported with another tokenizer?")
 
 
 def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tuple[ModelConfig, list[MethodConfig]]:
@@ -183,7 +115,7 @@ def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tup
     if b.name not in BENCHMARKS:
         raise ConfigError(f"benchmark.name={b.name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
     if b.get("data_file"):
-        _check_file("benchmark.data_file", b.data_file)
+        check_file("benchmark.data_file", b.data_file)
         try:
             samples = read_samples(b.data_file)
         except ValueError as err:
@@ -199,7 +131,7 @@ def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tup
         if b.length > model.max_length:
             raise ConfigError(f"benchmark.length={b.length} exceeds model {model.name} max_length={model.max_length}")
         for key in ("essay_file", "squad_file", "hotpotqa_file"):
-            _check_file(f"ruler.{key}", cfg.ruler.get(key))
+            check_file(f"ruler.{key}", cfg.ruler.get(key))
         source = cfg.ruler.get("source", "generate")
         if source not in ("generate", "kvpress"):
             raise ConfigError(f"ruler.source must be one of generate, kvpress; got {source!r}")
@@ -247,29 +179,6 @@ def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tup
     return model, configs
 
 
-def resolve_device(name, model: ModelConfig) -> str:
-    """The run's device: ``auto`` → ``cuda`` when a GPU is visible, else ``cpu``; ``cuda`` / ``cuda:N`` only when
-    that GPU exists. A device map (``model.device_map``) places the model itself over the GPUs (then the CPU), so
-    it goes with ``device=auto`` or ``cuda``."""
-    import torch
-
-    text = str(name)
-    valid = "auto, cpu, cuda, cuda:N"
-    if text not in ("auto", "cpu", "cuda") and not (text.startswith("cuda:") and text[5:].isdigit()):
-        raise ConfigError(f"device must be one of {valid}; got {name!r}")
-    if text == "auto":
-        text = "cuda" if torch.cuda.is_available() else "cpu"
-    if text.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(text[5:]) if ":" in text else 0
-        if index >= count:
-            raise ConfigError(f"device={name}: this machine has {count} CUDA device(s); use device=auto or cpu")
-        text = f"cuda:{index}"
-    if model.device_map is not None and text == "cpu" and str(name) == "cpu":
-        raise ConfigError("device=cpu with model.device_map set: the device map places the model; use device=auto")
-    return text
-
-
 def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[MethodConfig], baseline: int = 0):
     """The run's predicted peak (:func:`spark_bench.memory.choose_decode_batch`): for ``decode_batch`` when set,
     else for the largest decode batch that fits each device's free memory (or ``memory.limit_gib``). Raises
@@ -282,7 +191,7 @@ def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[Met
     prompt, new = plan.run_bounds(cfg, model_cfg, tasks, {c.compress_scope for c in configs})
     limit = cfg.memory.get("limit_gib")
     if limit is None:
-        absent = [d.name for d in devices if d.name.startswith("cuda") and not _cuda_exists(d.name)]
+        absent = [d.name for d in devices if d.name.startswith("cuda") and not cuda_exists(d.name)]
         if absent:
             raise ConfigError(f"model.max_memory / model.device_map place the model on {', '.join(absent)}, which "
                               f"this machine lacks; to predict for those GPUs, give their size: memory.limit_gib=80")
@@ -302,12 +211,6 @@ def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[Met
             f"(benchmark.length / longbench.max_length), or spread the model with model.device_map=auto "
             f"(memory.check=false runs anyway)")
     return prediction
-
-
-def _cuda_exists(name: str) -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.device(name).index < torch.cuda.device_count()
 
 
 def source_lines(cfg: DictConfig, model: ModelConfig) -> list[str]:
@@ -563,30 +466,6 @@ def write_memory_report(path: Path, prediction, predictions, loaded: int) -> Non
     path.write_text(json.dumps(report, indent=1), encoding="utf-8")
     print(f"memory: measured peak {measured / GIB:.2f} GiB, predicted {prediction.peak / GIB:.2f} GiB "
           f"({report['measured_over_predicted']}×)", flush=True)
-
-
-CONF_DIR = Path(__file__).resolve().parent / "conf"  # the package's configs (shipped in the wheel)
-
-
-CONFIG_GROUPS = ("model", "benchmark", "method", "sweep", "experiment", "protocol")  # conf/<group>/<name>.yaml
-
-
-def check_group_choices(argv: list[str]) -> None:
-    """Unknown ``group=name`` overrides (``model=``, ``method=``, ``benchmark=``, ``sweep=``, ``+experiment=``,
-    comma lists included) raise :class:`ConfigError` listing the valid names, before Hydra composes anything
-    (Hydra itself would print a multi-line message and exit 1)."""
-    for arg in argv:
-        if arg.startswith("-") or "=" not in arg:
-            continue
-        key, value = arg.split("=", 1)
-        group = key.lstrip("+~")
-        if group not in CONFIG_GROUPS or value in ("", "null") or any(c in value for c in "()[]{}$"):
-            continue
-        valid = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-        unknown = [name for name in value.split(",") if name not in valid]
-        if unknown:
-            raise ConfigError(f"{group}={','.join(unknown)}: no such {group} config (conf/{group}/); "
-                              f"valid: {', '.join(valid)}")
 
 
 def _fail(tool: str, cfg: DictConfig | None, err: Exception) -> None:

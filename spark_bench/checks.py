@@ -1,0 +1,133 @@
+"""Start-up checks of :mod:`spark_bench.cli`: everything about a run that can be refused before the model or its
+tokenizer loads (config names, unknown keys, option types and ranges, the device, the output place, exported
+samples' token ids). Each failure is a :class:`ConfigError`: one line naming the key, what it was and what is valid,
+reported with exit code 2."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from spark_bench.models import ModelConfig
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # the package's configs (shipped in the wheel)
+CONFIG_GROUPS = ("model", "benchmark", "method", "sweep", "experiment", "protocol")  # conf/<group>/<name>.yaml
+
+
+class ConfigError(ValueError):
+    """Bad user input: reported as one line, exit code 2."""
+
+
+def parse_shard(shard) -> tuple[int, int] | None:
+    if shard in (None, ""):
+        return None
+    try:
+        i, n = (int(x) for x in str(shard).split("/"))
+    except ValueError:
+        raise ConfigError(f"shard must look like i/n (e.g. shard=0/4), got {shard!r}") from None
+    if not 0 <= i < n:
+        raise ConfigError(f"shard={shard}: need 0 <= i < n")
+    return i, n
+
+
+def check_file(key: str, path) -> None:
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"{key}: {path} does not exist")
+
+
+def check_options(cfg: DictConfig) -> None:
+    """Every top-level key is known (``+typo=1`` is refused) and every run, benchmark, data and memory option has
+    its declared type and range (:mod:`spark_bench.options`)."""
+    from spark_bench.options import (
+        BENCHMARK_OPTIONS, LONGBENCH_OPTIONS, MEMORY_OPTIONS, RULER_OPTIONS, RUN_OPTIONS, check_all,
+    )
+
+    known = set(OmegaConf.load(CONF_DIR / "config.yaml")) | {"model", "benchmark", "method", "sweep", "hydra"}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(unknown)}; valid top-level keys: {', '.join(sorted(known))}")
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        check_all(plain, RUN_OPTIONS)
+        for prefix, options in (("benchmark.", BENCHMARK_OPTIONS), ("longbench.", LONGBENCH_OPTIONS),
+                                ("ruler.", RULER_OPTIONS), ("memory.", MEMORY_OPTIONS)):
+            check_all(plain.get(prefix[:-1]) or {}, options, prefix)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_output(out_dir: Path) -> None:
+    """The results directory can be made and written: no file in its place or above it, the nearest existing
+    directory writable. Nothing is created here."""
+    for place in (out_dir, *out_dir.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise ConfigError(f"output_root/run: {place} is a file, not a directory; choose another "
+                                  f"output_root= or run=")
+            if not os.access(place, os.W_OK | os.X_OK):
+                raise ConfigError(f"output_root/run: {place} is not writable; choose another output_root=")
+            return
+
+
+def check_token_ids(samples, model: ModelConfig, key: str) -> None:
+    """Every token id of exported samples is inside the model's vocabulary (its ``config.json`` or ``arch:``)."""
+    from spark_bench.memory import Arch
+
+    try:
+        vocab = Arch.of(model).vocab_size
+    except ValueError:
+        return  # no shape known: the model's own embedding will say so
+    for sample in samples:
+        if sample.input_ids and (max(sample.input_ids) >= vocab or min(sample.input_ids) < 0):
+            raise ConfigError(f"{key}: sample {sample.id} has token ids outside model {model.name}'s vocabulary "
+                              f"(0 … {vocab - 1}; found {min(sample.input_ids)} … {max(sample.input_ids)}): "
+                              f"exported with another tokenizer?")
+
+
+def resolve_device(name, model: ModelConfig) -> str:
+    """The run's device: ``auto`` → ``cuda`` when a GPU is visible, else ``cpu``; ``cuda`` / ``cuda:N`` only when
+    that GPU exists. A device map (``model.device_map``) places the model itself over the GPUs (then the CPU), so
+    it goes with ``device=auto`` or ``cuda``."""
+    import torch
+
+    text = str(name)
+    valid = "auto, cpu, cuda, cuda:N"
+    if text not in ("auto", "cpu", "cuda") and not (text.startswith("cuda:") and text[5:].isdigit()):
+        raise ConfigError(f"device must be one of {valid}; got {name!r}")
+    if text == "auto":
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    if text.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(text[5:]) if ":" in text else 0
+        if index >= count:
+            raise ConfigError(f"device={name}: this machine has {count} CUDA device(s); use device=auto or cpu")
+        text = f"cuda:{index}"
+    if model.device_map is not None and text == "cpu" and str(name) == "cpu":
+        raise ConfigError("device=cpu with model.device_map set: the device map places the model; use device=auto")
+    return text
+
+
+def cuda_exists(name: str) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.device(name).index < torch.cuda.device_count()
+
+
+def check_group_choices(argv: list[str]) -> None:
+    """Unknown ``group=name`` overrides (``model=``, ``method=``, ``benchmark=``, ``sweep=``, ``+experiment=``,
+    comma lists included) raise :class:`ConfigError` listing the valid names, before Hydra composes anything
+    (Hydra itself would print a multi-line message and exit 1)."""
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        group = key.lstrip("+~")
+        if group not in CONFIG_GROUPS or value in ("", "null") or any(c in value for c in "()[]{}$"):
+            continue
+        valid = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        unknown = [name for name in value.split(",") if name not in valid]
+        if unknown:
+            raise ConfigError(f"{group}={','.join(unknown)}: no such {group} config (conf/{group}/); "
+                              f"valid: {', '.join(valid)}")
