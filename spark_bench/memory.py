@@ -418,10 +418,20 @@ def choose_decode_batch(model: ModelConfig, configs: list[MethodConfig], prompt_
                         baseline: int = 0) -> tuple[RunPrediction, list[tuple[Footprint, int]]]:
     """The prediction for ``decode_batch`` rows per batch when the user set it; else for the largest batch whose
     prediction fits ``limits`` (bytes per device). Also the devices that do not fit (empty: it fits)."""
-    rows = len(configs) * decode_samples
-    for batch in ([decode_batch] if decode_batch else range(rows, 0, -1)):
+    def at(batch: int) -> tuple[RunPrediction, list]:
         prediction = predict_run(model, configs, prompt_tokens, new_tokens, batch, decode_samples, devices, baseline)
-        over = over_limit(prediction, limits)
-        if not over:
-            return prediction, []
-    return prediction, over
+        return prediction, over_limit(prediction, limits)
+
+    rows = len(configs) * decode_samples
+    if decode_batch:
+        return at(decode_batch)
+    best = at(rows)
+    if not best[1]:
+        return best
+    low, high = 0, rows  # the peak grows with the batch: bisect for the largest batch that fits
+    fit = None
+    while high - low > 1:
+        middle = (low + high) // 2
+        tried = at(middle)
+        low, high, fit = (middle, high, tried) if not tried[1] else (low, middle, fit)
+    return fit if fit is not None else at(1)
