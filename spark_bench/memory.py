@@ -46,6 +46,8 @@ import torch
 
 from spark_bench.engine.prefill import LayerPrefill, Prefill
 from spark_bench.methods import MethodConfig, Pipeline
+from spark_bench.methods.eviction.adasnapkv import AdaSnapKV
+from spark_bench.methods.eviction.snapkv import SnapKV
 from spark_bench.models import ModelConfig
 
 GIB = 1024 ** 3
@@ -313,7 +315,7 @@ def _row_groups(configs: list[MethodConfig], arch: Arch, seq_len: int, dtype: st
             shared = 0 if eviction is None else h * n * d * itemsize  # the gathered tensors, one copy each
             total = shared if any(c.value_ratio == 0 for c in members) else 0
             total += shared if any(c.channel_name is None for c in members) else 0
-            if eviction is not None and hasattr(eviction, "safeguard"):
+            if isinstance(eviction, AdaSnapKV):
                 total += h * n // 8  # AdaKV's validity bits
             for c in members:
                 sb = store_bytes(c, arch, dtype)
@@ -349,14 +351,15 @@ def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: 
             mine = [c for kk, c in chunk if kk == k]
             total += sum(sum(b) for b in _row_groups(mine, arch, s, model.dtype).values())
         worst = max(worst, total)
-    holds = any(Pipeline.from_config(c).eviction is None for c in configs) or batch < len(configs)
+    pipelines = [Pipeline.from_config(c) for c in configs]
+    holds = any(p.eviction is None for p in pipelines) or batch < len(configs)
     h, hq, d = arch.num_kv_heads, arch.num_heads, arch.head_dim
     window = max(c.observation_window for c in configs)
     prefill_kv = lay * 2 * h * s * d * e
     captured = lay * hq * window * d * e * (1 + len({c.compress_scope for c in configs}))
-    stats = any(Pipeline.from_config(c).query_stats for c in configs)
-    memo = lay * h * s * 4 * len({(c.window_size, c.kernel_size, c.pooling) for c in configs if c.eviction_name
-                                 in ("snapkv", "pyramidkv", "adasnapkv")})
+    stats = any(p.query_stats for p in pipelines)
+    memo = lay * h * s * 4 * len({(ev.window_size, ev.kernel_size, ev.pooling)  # SnapKV.token_scores' memo, one
+                                  for ev in (p.eviction for p in pipelines) if isinstance(ev, SnapKV)})  # per key
     compress_work = max([0] + [2 * hq * min(c.observation_window, s) * s * 4 + 2 * h * s * 4 for c in configs
                                if c.eviction_name] + [3 * h * s * d * 4 for c in configs if c.channel_name])
     capacity = new_tokens
