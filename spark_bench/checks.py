@@ -20,6 +20,21 @@ class ConfigError(ValueError):
     """Bad user input: reported as one line, exit code 2."""
 
 
+PROTOCOL_KEYS = ("compress_scope", "window_size", "channel_window", "kernel_size", "pooling", "think_keep_window",
+                 "pyramid_fallback", "ada_safeguard", "value_score", "value_fill", "window_q_norm",
+                 "saliency_dtype", "budget_rounding", "group_fork_fill")  # what conf/protocol/*.yaml set
+
+
+def protocol_options(name: str) -> dict:
+    """The method options ``conf/protocol/<name>.yaml`` sets (its ``longbench.protocol``, the prompt path, belongs to
+    the run's samples, which every entry of a sweep shares, so a sweep entry cannot change it)."""
+    path = CONF_DIR / "protocol" / f"{name}.yaml"
+    if not path.is_file():
+        valid = ", ".join(sorted(p.stem for p in (CONF_DIR / "protocol").glob("*.yaml")))
+        raise ValueError(f"protocol {name!r}: no such protocol config (conf/protocol/); valid: {valid}")
+    return {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items() if k in PROTOCOL_KEYS}
+
+
 def parse_shard(shard) -> tuple[int, int] | None:
     if shard in (None, ""):
         return None

@@ -25,8 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from spark_bench import hub
 from spark_bench.checks import (
-    CONF_DIR, ConfigError, check_file, check_group_choices, check_options, check_output, check_token_ids, cuda_exists,
-    parse_shard, resolve_device,
+    CONF_DIR, PROTOCOL_KEYS, ConfigError, check_file, check_group_choices, check_options, check_output,
+    check_token_ids, cuda_exists, parse_shard, protocol_options, resolve_device,
 )
 from spark_bench.models import ModelConfig, load_model, resolve_sources
 
@@ -41,16 +41,6 @@ def method_options() -> tuple[str, ...]:
     from spark_bench.methods import MethodConfig
 
     return tuple(f.name for f in fields(MethodConfig) if f.name != "name")
-
-
-def protocol_options(name: str) -> dict:
-    """The method options ``conf/protocol/<name>.yaml`` sets (its ``longbench.protocol``, the prompt path, belongs to
-    the run's samples, which every entry of a sweep shares, so a sweep entry cannot change it)."""
-    path = CONF_DIR / "protocol" / f"{name}.yaml"
-    if not path.is_file():
-        valid = ", ".join(sorted(p.stem for p in (CONF_DIR / "protocol").glob("*.yaml")))
-        raise ValueError(f"protocol {name!r}: no such protocol config (conf/protocol/); valid: {valid}")
-    return {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items() if k in PROTOCOL_KEYS}
 
 
 def method_configs(cfg: DictConfig) -> list[MethodConfig]:
@@ -286,11 +276,6 @@ def run_payload(cfg: DictConfig, lm, samples, configs) -> dict:
 
     keep = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "benchmark", "longbench", "ruler")}
     return {**default_payload(lm, samples, configs), **keep, "shard": cfg.get("shard")}
-
-
-PROTOCOL_KEYS = ("compress_scope", "window_size", "channel_window", "kernel_size", "pooling", "think_keep_window",
-                 "pyramid_fallback", "ada_safeguard", "value_score", "value_fill", "window_q_norm",
-                 "saliency_dtype", "budget_rounding", "group_fork_fill")  # what conf/protocol/*.yaml set
 
 
 def protocol_line(cfg: DictConfig) -> str:

@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import torch
 from tqdm.auto import tqdm
 
+from spark_bench.api import compress_prefill, prefill_for
 from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.metrics import score
 from spark_bench.engine.clock import mapped_large_blocks, peak_memory, reset_peak, return_freed_memory
 from spark_bench.engine.decode import DecodeRow, decode_rows
-from spark_bench.engine.prefill import Prefill, run_prefill
+from spark_bench.engine.prefill import Prefill
 from spark_bench.methods import MethodConfig, Pipeline
-from spark_bench.methods.pipeline import kept_key_fraction, sweep_labels
+from spark_bench.methods.pipeline import sweep_labels
 from spark_bench.models import LoadedModel
 from spark_bench.results import TIMING_FIELDS, ResultsDir, read_complete_lines
 from spark_bench.tables import render_markdown, summarize
@@ -49,29 +48,20 @@ class Prediction:
 
 def _prefill(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> Prefill:
     """One prefill of the whole prompt serves every pipeline, whatever part of the prompt it compresses."""
-    window = max([p.config.observation_window for p in pipelines] + [1])
-    specs = {p.query_stats for p in pipelines} - {None}
-    if len(specs) > 1:
-        raise ValueError(f"one sweep cannot mix query-statistics settings {sorted(map(str, specs))} (n_sink)")
-    input_ids = torch.tensor([sample.input_ids], device=lm.device)
-    ends = tuple({sample.scope_end(p.config.compress_scope) for p in pipelines})
-    raw = any(not p.config.window_q_norm for p in pipelines)
-    return run_prefill(lm.model, input_ids, window, query_stats=next(iter(specs), None), ends=ends, raw_queries=raw)
+    return prefill_for(lm.model, sample.input_ids, pipelines,
+                       [sample.scope_end(p.config.compress_scope) for p in pipelines])
 
 
 def _build_row(lm: LoadedModel, sample: Sample, pipeline: Pipeline, prefill: Prefill,
                selections: dict) -> tuple[DecodeRow, tuple[float, int, float]]:
-    """Compress ``prefill`` under ``pipeline`` into a decode row; also (compress seconds, KV bytes, key ratio).
-    ``selections``: the sample's token selections, per compressed prefix, shared by its configs."""
-    view = prefill.at(sample.scope_end(pipeline.config.compress_scope), pipeline.config.window_q_norm)
-    end = view.prompt_length
-    cache, compress_s = pipeline.build_cache(view, selections=selections.setdefault(id(view), {}))
-    row = DecodeRow(cache, view.first_logits, end, sample.max_new_tokens,
-                    lm.stop_token_ids | set(sample.stop_token_ids), sample.min_new_tokens,
-                    suffix=tuple(sample.input_ids[end:]))
-    # bytes held when decoding starts: the compressed part plus the suffix run through it (dense)
-    kv_bytes = cache.nbytes() + (prefill.prompt_length - end) * prefill.dense_kv_bytes() // prefill.prompt_length
-    return row, (compress_s, kv_bytes, round(1 - kept_key_fraction(cache), 6))
+    """Compress ``prefill`` under ``pipeline`` into a decode row (the library's :func:`~spark_bench.api.compress`
+    step); also (compress seconds, KV bytes when decoding starts, key ratio). ``selections``: the sample's token
+    selections, shared by its configs."""
+    context = compress_prefill(prefill, pipeline, sample.input_ids, sample.scope_end(pipeline.config.compress_scope),
+                               selections)
+    row = DecodeRow(context.cache, context.first_logits, context.end, sample.max_new_tokens,
+                    lm.stop_token_ids | set(sample.stop_token_ids), sample.min_new_tokens, suffix=context.suffix)
+    return row, (context.compress_s, context.kv_bytes, context.key_ratio)
 
 
 def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],

@@ -17,7 +17,6 @@ from spark_bench.methods.eviction.adasnapkv import AdaSnapKV
 from spark_bench.methods.eviction.pyramidkv import pyramid_budgets
 from spark_bench.methods.eviction.snapkv import SnapKV, window_attention
 from spark_bench.methods.eviction.tova import TOVA
-from spark_bench.methods.pipeline import kept_key_fraction
 
 # option sets per channel method: every recovery, every variant, value pruning, both saliency modes
 SPARK_OPTIONS = (
@@ -62,7 +61,7 @@ def test_method_matrix_end_to_end(tiny_lm, tiny_prefill, name, options):
         expected += 0 if layer.valid_bits is None else layer.valid_bits.numel()
         assert layer.nbytes() == expected
     assert fresh.nbytes() <= tiny_prefill.dense_kv_bytes()
-    assert 0.0 < kept_key_fraction(fresh) <= 1.0
+    assert 0.0 < fresh.kept_key_fraction() <= 1.0
 
 
 @pytest.mark.parametrize("name", [n for n in METHOD_NAMES if n != "full"])

@@ -32,27 +32,39 @@ class Sample:
     question_end: int | None = None
 
     def scope_end(self, scope: str) -> int:
-        """Tokens compressed under ``compress_scope=scope``: ``prompt`` all of them, ``question`` up to the end of
-        the user turn, ``context`` up to the start of the question; the rest runs through the compressed cache."""
-        if scope == "prompt":
-            return len(self.input_ids)
-        end = {"question": self.question_end, "context": self.context_end}[scope]
-        if end is None:
-            raise ValueError(f"sample {self.id}: compress_scope={scope} needs the prompt's context/question "
-                             "boundaries, which this sample does not carry (re-export it, or use compress_scope=prompt)")
-        return end
+        """Tokens compressed under ``compress_scope=scope`` (:func:`scope_end`)."""
+        return scope_end(len(self.input_ids), self.context_end, self.question_end, scope,
+                         f"sample {self.id}", "re-export it")
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """Token ids of a prompt and the boundaries of its parts (see :attr:`Sample.context_end`)."""
+    """Token ids of a prompt and the boundaries of its parts (see :attr:`Sample.context_end`; None = unknown)."""
 
     ids: list[int]
-    context_end: int
-    question_end: int
+    context_end: int | None = None
+    question_end: int | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def scope_end(self, scope: str) -> int:
+        """Tokens compressed under ``compress_scope=scope`` (:func:`scope_end`)."""
+        return scope_end(len(self.ids), self.context_end, self.question_end, scope, "the prompt",
+                         "build it with spark_bench.prompt(tokenizer, context, question)")
+
+
+def scope_end(length: int, context_end: int | None, question_end: int | None, scope: str, what: str,
+              fix: str) -> int:
+    """Tokens compressed under ``compress_scope=scope``: ``prompt`` all ``length`` of them, ``question`` up to the
+    end of the user turn, ``context`` up to the start of the question; the rest runs through the compressed cache."""
+    if scope == "prompt":
+        return length
+    end = {"question": question_end, "context": context_end}[scope]
+    if end is None:
+        raise ValueError(f"{what}: compress_scope={scope} needs the prompt's context/question boundaries, which "
+                         f"{what} does not carry ({fix}, or use compress_scope=prompt)")
+    return end
 
 
 def question_start(text: str, context: str) -> int:

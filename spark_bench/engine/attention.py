@@ -23,10 +23,9 @@ def compressed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          compressed_cache=None, **kwargs):
     """transformers attention-function signature; ``key``/``value`` are the dense decoded tail (unused here)."""
     if compressed_cache is None:
-        raise RuntimeError("spark_bench attention needs the compressed_cache keyword (use greedy_decode)")
-    layer = compressed_cache.layers[module.layer_idx]
+        raise RuntimeError("spark_bench attention needs the compressed_cache keyword (decode_rows / spark_bench.generate pass it)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return layer.attend(query, scale, compressed_cache.attention), None
+    return compressed_cache.attend(module.layer_idx, query, scale), None
 
 
 AttentionInterface.register(ATTENTION_NAME, compressed_attention)

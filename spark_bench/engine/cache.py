@@ -168,6 +168,16 @@ class CompressedCache(Cache):
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 
+    def kept_key_fraction(self) -> float:
+        """Fraction of key entries actually stored (1 − the achieved "Overall Ratio" of paper Table 5)."""
+        total = sum(layer.key_store.length for layer in self.layers)
+        kept = sum(layer.key_store.kept_fraction() * layer.key_store.length for layer in self.layers)
+        return kept / max(total, 1)
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Decode attention of layer ``layer_idx`` (called by :mod:`spark_bench.engine.attention`)."""
+        return self.layers[layer_idx].attend(query, scaling, self.attention)
+
 
 def store_device(store: Store) -> torch.device:
     """The device of a value store's tensors (a :class:`DenseStore`'s data, an unstructured store's kept entries)."""
@@ -253,8 +263,11 @@ class BatchedLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n = key_states.shape[-2]
-        if self.length + n > self.tail_keys.shape[-2]:
-            raise RuntimeError(f"decode tail capacity {self.tail_keys.shape[-2]} exceeded")
+        if self.length + n > self.tail_keys.shape[-2]:  # ran past its capacity (model.generate's own limits): grow
+            grown = max(self.length + n, 2 * self.tail_keys.shape[-2])
+            extra = (*self.tail_keys.shape[:2], grown - self.tail_keys.shape[-2], self.tail_keys.shape[-1])
+            self.tail_keys = torch.cat([self.tail_keys, self.tail_keys.new_empty(extra)], dim=-2)
+            self.tail_values = torch.cat([self.tail_values, self.tail_values.new_empty(extra)], dim=-2)
         self.tail_keys[:, :, self.length:self.length + n] = key_states
         self.tail_values[:, :, self.length:self.length + n] = value_states
         self.length += n
@@ -397,6 +410,10 @@ class BatchedCache(Cache):
     def keep(self, rows: list[int]) -> None:
         for layer in self.layers:
             layer.keep(rows)
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Decode attention of layer ``layer_idx`` (called by :mod:`spark_bench.engine.attention`)."""
+        return self.layers[layer_idx].attend(query, scaling, self.attention)
 
     @staticmethod
     def order(caches: list[CompressedCache], stack: bool = True) -> list[int]:

@@ -316,9 +316,3 @@ class Pipeline:
         layers = [self.compress_layer(layer, i, n, selections) for i, layer in enumerate(prefill.layers)]
         synchronize(prefill.layers[0].keys.device if n else None)  # the compression's device time
         return CompressedCache(layers, attention), time.perf_counter() - start
-
-
-def kept_key_fraction(cache: CompressedCache) -> float:
-    """Fraction of key entries actually stored (1 − the achieved "Overall Ratio" of paper Table 5)."""
-    total = sum(layer.key_store.length for layer in cache.layers)
-    return sum(layer.key_store.kept_fraction() * layer.key_store.length for layer in cache.layers) / max(total, 1)
