@@ -101,6 +101,15 @@ def test_stops_and_min_new_tokens_as_the_harness(tiny_lm, ids):
         assert len(expected) == (3 if min_new == 0 else len(expected)) and (min_new == 0 or len(expected) > 3)
 
 
+def test_stop_strings_end_generation(tiny_lm, ids):
+    context = spark_bench.compress(tiny_lm.model, ids, spark_bench.method("snapkv+spark", ratio=0.8, budget=64))
+    free = spark_bench.generate(tiny_lm.model, context, max_new_tokens=8)[0, LENGTH:].tolist()
+    stop = tiny_lm.tokenizer.decode(free[2:3]).strip()
+    out = spark_bench.generate(tiny_lm.model, context, max_new_tokens=8, stop_strings=[stop],
+                               tokenizer=tiny_lm.tokenizer)
+    assert out[0, LENGTH:].tolist() == free[:3]
+
+
 def test_sampling_is_reproducible_with_a_seed(tiny_lm, ids):
     config = spark_bench.method("snapkv+spark", ratio=0.8, budget=64, recovery="gaussian", seed=3)
     first = spark_bench.compress(tiny_lm.model, _sample(ids), config)
