@@ -6,8 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
 PAPER_TARGETS = table1 table2 tab_full_llama3-8b tab_full_llama3.1-8b tab_full_llama3.1-70b tab_full_qwen3-8b \
-	tab_full_qwen3-32b tab_app_full_ruler ablation-dist ablation-variants kv-joint figure5
-.PHONY: demo test test-gpu bench clean paper $(PAPER_TARGETS) paper-shape protocols
+	tab_full_qwen3-32b tab_app_full_ruler ablation-dist ablation-variants kv-joint figure5 figure2
+.PHONY: demo test test-gpu bench clean paper $(PAPER_TARGETS) figure2-longbench paper-shape protocols
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -85,6 +85,28 @@ kv-joint: $(STAMP)
 	$(call experiment,kv_joint,longbench,--paper tab_app_kv_llama3-8b@LLaMA-3-8B-Instruct,)
 figure5: $(STAMP)
 	$(call experiment,figure5,longbench,,--figures)
+# Fig. 2 and Appendix B (the paper's motivation) and the appendix's batch-size/memory figure, offline on the embedded
+# SmolLM2 (2 CPU cores: about 40 min): the channel-saliency analysis (CV, top-T overlap, Fig. 2a/2b and Appendix B
+# PNGs), the Observation 2 sweep as relative loss with intervals (Fig. 2c, the paper's numbers beside), and the
+# planner's LLaMA-3.1-8B batch/memory figure at 7K tokens per sequence (what the paper's own points imply)
+figure2: $(STAMP)
+	if [ "$(DRY_RUN)" = true ]; then $(BIN)/spark-bench-report --check --paper figure2c; \
+	  $(BIN)/spark-bench-report --check --paper fig_app_bsz_mem; fi
+	$(BIN)/spark-bench +experiment=figure2 dry_run=$(DRY_RUN)
+	if [ "$(DRY_RUN)" != true ]; then \
+	  $(BIN)/spark-bench-saliency +experiment=figure2 analysis.out=results/figure2/saliency && \
+	  $(BIN)/spark-bench-memory model=llama3.1-8b sweep=memory memory.seq_len=7168 \
+	    memory.out=results/figure2/memory.json > /dev/null && \
+	  $(BIN)/spark-bench-figure2 --observation2 results/figure2/observation2 --memory results/figure2/memory.json \
+	    --out results/figure2; fi
+# the same on the paper's setting (LLaMA-3.1-8B-Instruct, LongBench SAMSum / HotpotQA / RB-P; GPU and data)
+figure2-longbench: $(STAMP)
+	$(BIN)/spark-bench +experiment=figure2_longbench dry_run=$(DRY_RUN)
+	if [ "$(DRY_RUN)" != true ]; then \
+	  $(BIN)/spark-bench-saliency +experiment=figure2_longbench analysis.samples=60 \
+	    analysis.out=results/figure2_longbench/saliency && \
+	  $(BIN)/spark-bench-figure2 --observation2 results/figure2_longbench/observation2 \
+	    --out results/figure2_longbench; fi
 paper-shape: $(STAMP)
 	$(call experiment,paper_shape,ruler,,--figures --ci --claims)
 # the official protocol next to the KVCache-Factory style, and each protocol point alone (SmolLM2, offline RULER-2K)

@@ -56,7 +56,7 @@ def check_options(cfg: DictConfig) -> None:
     """Every top-level key is known (``+typo=1`` is refused) and every run, benchmark, data and memory option has
     its declared type and range (:mod:`spark_bench.options`)."""
     from spark_bench.options import (
-        BENCHMARK_OPTIONS, LONGBENCH_OPTIONS, MEMORY_OPTIONS, RULER_OPTIONS, RUN_OPTIONS, check_all,
+        ANALYSIS_OPTIONS, BENCHMARK_OPTIONS, LONGBENCH_OPTIONS, MEMORY_OPTIONS, RULER_OPTIONS, RUN_OPTIONS, check_all,
     )
 
     known = set(OmegaConf.load(CONF_DIR / "config.yaml")) | {"model", "benchmark", "method", "sweep", "hydra"}
@@ -67,7 +67,8 @@ def check_options(cfg: DictConfig) -> None:
     try:
         check_all(plain, RUN_OPTIONS)
         for prefix, options in (("benchmark.", BENCHMARK_OPTIONS), ("longbench.", LONGBENCH_OPTIONS),
-                                ("ruler.", RULER_OPTIONS), ("memory.", MEMORY_OPTIONS)):
+                                ("ruler.", RULER_OPTIONS), ("memory.", MEMORY_OPTIONS),
+                                ("analysis.", ANALYSIS_OPTIONS)):
             check_all(plain.get(prefix[:-1]) or {}, options, prefix)
     except ValueError as err:
         raise ConfigError(str(err)) from None

@@ -524,7 +524,8 @@ def _hydra_memory(cfg: DictConfig) -> None:
     print("\n" + "\n".join(prediction.lines()))
     if mem.get("out"):
         Path(mem.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(mem.out).write_text(json.dumps({"plans": [dataclasses.asdict(p) for p in plans],
+        Path(mem.out).write_text(json.dumps({"model": model.name, "seq_len": seq_len, "gen_len": mem.gen_len,
+                                             "cap_gib": mem.cap_gib, "plans": [dataclasses.asdict(p) for p in plans],
                                              "run": dataclasses.asdict(prediction)}, indent=1), encoding="utf-8")
 
 

@@ -27,6 +27,7 @@ class Option:
     nullable: bool = False
     null: str = ""
     nonempty: bool = False
+    items: "Option | None" = None  # a list's elements
 
     def valid(self) -> str:
         """What is valid, in words."""
@@ -36,6 +37,7 @@ class Option:
             text = "true or false"
         elif self.kind == "list":
             text = "a non-empty list" if self.nonempty else "a list"
+            text += f" ({self.items.valid()} each)" if self.items else ""
         elif self.kind == "str":
             text = "a non-empty string" if self.nonempty else "a string"
         else:
@@ -58,7 +60,8 @@ class Option:
         if self.kind == "str":
             return isinstance(value, str) and (bool(value) or not self.nonempty)
         if self.kind == "list":
-            return isinstance(value, (list, tuple)) and (bool(value) or not self.nonempty)
+            return (isinstance(value, (list, tuple)) and (bool(value) or not self.nonempty)
+                    and (self.items is None or all(self.items.accepts(v) for v in value)))
         if isinstance(value, bool) or not isinstance(value, int if self.kind == "int" else (int, float)):
             return False
         if self.odd and value % 2 == 0:
@@ -110,4 +113,11 @@ MEMORY_OPTIONS = {
     "seq_len": Option("int", 1, nullable=True, null="the run's longest prompt"),
     "gen_len": Option("int", 0), "cap_gib": Option("number", 0, open_low=True),
     "overhead_gib": Option("number", 0),
+}
+ANALYSIS_OPTIONS = {  # spark-bench-saliency (spark_bench/analysis)
+    "query": Option("str", choices=("window_mean", "last")), "window": POSITIVE_INT,
+    "layer": Option("int", 0, nullable=True, null="the paper's 18 when the model has it, else the middle layer"),
+    "head": Option("int", 0), "ratios": Option("list", nonempty=True, items=FRACTION),
+    "samples": Option("int", 1, nullable=True, null="every sample of the benchmark"),
+    "out": Option("str", nonempty=True, nullable=True, null="results/<run>/saliency"),
 }

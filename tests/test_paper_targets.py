@@ -88,6 +88,7 @@ def test_kv_joint_rows_are_the_paper_rows():
 # paper table → its Makefile target (named after it; Tables 1, 2 and the ablations keep their established names)
 MAKE_TARGETS = {"tab_main": "table1", "tab_main_ruler": "table2", "tab_ab_dist": "ablation-dist",
                 "tab_ab_var": "ablation-variants", "tab_app_kv_llama3-8b": "kv-joint",
+                "figure2c": "figure2", "fig_app_bsz_mem": "figure2",
                 **{t: t for t in ("tab_full_llama3-8b", "tab_full_llama3.1-8b", "tab_full_llama3.1-70b",
                                   "tab_full_qwen3-8b", "tab_full_qwen3-32b", "tab_app_full_ruler")}}
 
