@@ -28,7 +28,7 @@ test: $(STAMP)
 # On a CUDA machine: the model-level tests (method matrix, batched decoding, engine, compact attention) with the tiny
 # model and its caches on the GPU (tests/conftest.py reads SPARK_BENCH_TEST_DEVICE)
 GPU_TESTS = tests/test_methods.py tests/test_decode_batch.py tests/test_engine.py tests/test_fast_attention.py tests/test_scope.py \
-	tests/test_stacking.py
+	tests/test_stacking.py tests/test_library.py tests/test_analysis.py
 test-gpu: $(STAMP)
 	SPARK_BENCH_TEST_DEVICE=cuda $(BIN)/python -m pytest $(GPU_TESTS)
 

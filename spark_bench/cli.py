@@ -1,6 +1,5 @@
-"""``spark-bench`` (run a benchmark × method sweep), ``spark-bench-export`` (write the samples),
-``spark-bench-memory`` (memory planner) and ``spark-bench-merge`` (join shards): the Hydra front ends of
-:mod:`spark_bench.runner`.
+"""``spark-bench`` (run a benchmark × method sweep): the Hydra front end of :mod:`spark_bench.runner`, and the
+start-up every tool shares (:mod:`spark_bench.tools`: export, memory planner, merge; :mod:`spark_bench.analysis`).
 
 Every input is checked before the model loads (:func:`validate`, with :mod:`spark_bench.checks`): a bad name,
 value, path or data record gives one line on stderr naming the key or file, exit code 2, and nothing written
@@ -10,7 +9,6 @@ value, path or data record gives one line on stderr naming the key or file, exit
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -380,6 +378,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
     from spark_bench.engine.clock import resident_now, return_freed_memory
     from spark_bench.models import LoadedModel, load_tokenizer
     from spark_bench.results import ResultsDir, ResultsMismatch
+    from spark_bench import memory
     from spark_bench.runner import run_sweep
 
     start = time.perf_counter()
@@ -423,7 +422,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
                                     decode_stack=cfg.get("decode_stack", True))
             (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
             if not complete:
-                write_memory_report(out_dir / "memory.json", prediction, predictions, loaded)
+                memory.write_report(out_dir / "memory.json", prediction, predictions, loaded)
         except ResultsMismatch as err:
             raise ConfigError(str(err)) from None
         except OSError as err:  # disk full, permissions changed: what was written stays valid and resumes
@@ -434,26 +433,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
           f"results in {out_dir}", flush=True)
 
 
-def write_memory_report(path: Path, prediction, predictions, loaded: int) -> None:
-    """``memory.json``: the peak predicted before the model loaded next to the largest peak measured per decode
-    batch (``peak_mem_bytes``: CUDA max allocated over the model's devices, CPU peak resident set), the process's
-    resident memory once the model had loaded (``loaded``: checks the baseline + weights part on the CPU), and a
-    line."""
-    import dataclasses
-
-    from spark_bench.memory import GIB
-
-    measured = int(predictions.peak_mem_bytes.max()) if len(predictions) else 0
-    report = {"predicted_peak_bytes": prediction.peak, "measured_peak_bytes": measured,
-              "measured_over_predicted": round(measured / prediction.peak, 4) if prediction.peak else None,
-              "resident_after_load_bytes": loaded,
-              "prediction": dataclasses.asdict(prediction)}
-    path.write_text(json.dumps(report, indent=1), encoding="utf-8")
-    print(f"memory: measured peak {measured / GIB:.2f} GiB, predicted {prediction.peak / GIB:.2f} GiB "
-          f"({report['measured_over_predicted']}×)", flush=True)
-
-
-def _fail(tool: str, cfg: DictConfig | None, err: Exception) -> None:
+def fail(tool: str, cfg: DictConfig | None, err: Exception) -> None:
     if HydraConfig.initialized() and HydraConfig.get().verbose:  # hydra.verbose=true: show the traceback
         raise err
     for line in str(err).splitlines() or [""]:  # one line per problem (a dry run may find several)
@@ -466,87 +446,19 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         run(cfg, output_dir(cfg))
     except (ConfigError, FileNotFoundError) as err:
-        _fail("spark-bench", cfg, err)
+        fail("spark-bench", cfg, err)
 
 
-def _checked(tool: str, entry) -> None:
+def checked(tool: str, entry) -> None:
     try:
         check_group_choices(sys.argv[1:])
     except ConfigError as err:
-        _fail(tool, None, err)
+        fail(tool, None, err)
     entry()
 
 
 def main() -> None:
-    _checked("spark-bench", _hydra_main)
-
-
-@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
-def _hydra_export(cfg: DictConfig) -> None:
-    """Generate (or load) the benchmark's samples with the model's tokenizer and write them as JSONL."""
-    try:
-        model_cfg, _ = validate(cfg)
-        lm = load_model(model_cfg, cfg.device)
-        samples = load_samples(cfg, lm)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
-        _fail("spark-bench-export", cfg, err)
-    from spark_bench.benchmarks.export import write_samples
-
-    path = Path(cfg.get("export_path") or output_dir(cfg) / "samples.jsonl")
-    write_samples(samples, path, lm.tokenizer)
-    print(f"spark-bench-export: {len(samples)} samples of {cfg.benchmark.name} → {path}")
-
-
-def export() -> None:
-    _checked("spark-bench-export", _hydra_export)
-
-
-@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
-def _hydra_memory(cfg: DictConfig) -> None:
-    """Per method config: KV bytes per sequence and the largest batch under ``memory.cap_gib``; then the run's
-    predicted peak per device, as ``spark-bench`` predicts it before loading the model (no model load)."""
-    import dataclasses
-
-    from spark_bench import memory as planner
-    from spark_bench.plan import run_bounds
-
-    try:
-        model, configs = validate(cfg, sources=False)
-        mem = cfg.memory
-        tasks = [] if cfg.benchmark.get("data_file") else benchmark_tasks(cfg)
-        prompt, _ = run_bounds(cfg, model, tasks, {c.compress_scope for c in configs})
-        seq_len = mem.seq_len or prompt
-        plans = [planner.plan(c, model, seq_len, mem.gen_len, mem.cap_gib, mem.overhead_gib) for c in configs]
-        prediction = memory_prediction(cfg, model, configs)
-    except (ConfigError, ValueError, OSError) as err:
-        _fail("spark-bench-memory", cfg, err)
-    print(planner.render(plans, model, seq_len, mem.gen_len, mem.cap_gib))
-    print("\n" + "\n".join(prediction.lines()))
-    if mem.get("out"):
-        Path(mem.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(mem.out).write_text(json.dumps({"model": model.name, "seq_len": seq_len, "gen_len": mem.gen_len,
-                                             "cap_gib": mem.cap_gib, "plans": [dataclasses.asdict(p) for p in plans],
-                                             "run": dataclasses.asdict(prediction)}, indent=1), encoding="utf-8")
-
-
-def memory() -> None:
-    _checked("spark-bench-memory", _hydra_memory)
-
-
-def merge(argv: list[str] | None = None) -> None:
-    """``spark-bench-merge DIR``: join ``DIR/shard-*-of-n`` into ``DIR`` (predictions, scores, table)."""
-    from spark_bench.shards import merge_shards
-
-    parser = argparse.ArgumentParser(prog="spark-bench-merge", description=merge.__doc__)
-    parser.add_argument("directory", type=Path)
-    args = parser.parse_args(argv)
-    try:
-        n = merge_shards(args.directory)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"spark-bench-merge: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    print(f"spark-bench-merge: {n} shards → {args.directory}")
-    print((args.directory / "table.md").read_text())
+    checked("spark-bench", _hydra_main)
 
 
 if __name__ == "__main__":

@@ -438,3 +438,18 @@ def choose_decode_batch(model: ModelConfig, configs: list[MethodConfig], prompt_
         tried = at(middle)
         low, high, fit = (middle, high, tried) if not tried[1] else (low, middle, fit)
     return fit if fit is not None else at(1)
+
+
+def write_report(path: Path, prediction, predictions, loaded: int) -> None:
+    """``memory.json``: the peak predicted before the model loaded next to the largest peak measured per decode
+    batch (``peak_mem_bytes``: CUDA max allocated over the model's devices, CPU peak resident set), the process's
+    resident memory once the model had loaded (``loaded``: checks the baseline + weights part on the CPU), and a
+    line."""
+    measured = int(predictions.peak_mem_bytes.max()) if len(predictions) else 0
+    report = {"predicted_peak_bytes": prediction.peak, "measured_peak_bytes": measured,
+              "measured_over_predicted": round(measured / prediction.peak, 4) if prediction.peak else None,
+              "resident_after_load_bytes": loaded,
+              "prediction": dataclasses.asdict(prediction)}
+    path.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    print(f"memory: measured peak {measured / GIB:.2f} GiB, predicted {prediction.peak / GIB:.2f} GiB "
+          f"({report['measured_over_predicted']}×)", flush=True)

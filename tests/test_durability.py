@@ -16,7 +16,7 @@ BASE = ["model=tiny-llama", "benchmark.tasks=[niah_single_1,niah_multikey_2]", "
 
 
 def cli(args, cwd, timeout=600, merge=False, wait=True):
-    entry = ["-c", "from spark_bench.cli import merge; merge()"] if merge else ["-m", "spark_bench.cli"]
+    entry = ["-c", "from spark_bench.tools import merge; merge()"] if merge else ["-m", "spark_bench.cli"]
     cmd = [sys.executable, *entry, *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     if not wait:

@@ -21,7 +21,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from spark_bench.checks import CONF_DIR, ConfigError, check_output, resolve_device
-from spark_bench.cli import _checked, _fail, load_samples, output_dir, validate
+from spark_bench.cli import checked, fail, load_samples, output_dir, validate
 from spark_bench.models import load_model
 
 
@@ -124,14 +124,14 @@ def _hydra_saliency(cfg: DictConfig) -> None:
         lm = load_model(model_cfg, device)
         samples = load_samples(cfg, lm)[:cfg.analysis.samples or None]
     except (ConfigError, FileNotFoundError, ValueError) as err:
-        _fail("spark-bench-saliency", cfg, err)
+        fail("spark-bench-saliency", cfg, err)
     print(f"spark-bench-saliency: {model_cfg.name}, {len(samples)} prompts of {cfg.benchmark.name} → {out}",
           flush=True)
     run_saliency(lm, samples, cfg, layer, head, out)
 
 
 def saliency() -> None:
-    _checked("spark-bench-saliency", _hydra_saliency)
+    checked("spark-bench-saliency", _hydra_saliency)
 
 
 def _memory_markdown(data: dict, paper: pd.DataFrame) -> str:

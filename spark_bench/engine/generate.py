@@ -101,7 +101,7 @@ class GenerationCache(BatchedCache):
         return super().attend(layer_idx, query, scaling)
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
-        raise NotImplementedError("compressed caches decode one sequence per row: beam search is not supported")
+        raise RuntimeError("compressed caches decode one sequence per row: beam search is not supported")
 
 
 @contextmanager

@@ -1,0 +1,85 @@
+"""The command-line tools beside ``spark-bench``: ``spark-bench-export`` (write a benchmark's samples),
+``spark-bench-memory`` (the memory planner) and ``spark-bench-merge`` (join shards). They share ``spark-bench``'s
+configs and start-up checks (:mod:`spark_bench.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from spark_bench.checks import CONF_DIR, ConfigError
+from spark_bench.cli import benchmark_tasks, checked, fail, load_samples, memory_prediction, output_dir, validate
+from spark_bench.models import load_model
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def _hydra_export(cfg: DictConfig) -> None:
+    """Generate (or load) the benchmark's samples with the model's tokenizer and write them as JSONL."""
+    try:
+        model_cfg, _ = validate(cfg)
+        lm = load_model(model_cfg, cfg.device)
+        samples = load_samples(cfg, lm)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        fail("spark-bench-export", cfg, err)
+    from spark_bench.benchmarks.export import write_samples
+
+    path = Path(cfg.get("export_path") or output_dir(cfg) / "samples.jsonl")
+    write_samples(samples, path, lm.tokenizer)
+    print(f"spark-bench-export: {len(samples)} samples of {cfg.benchmark.name} → {path}")
+
+
+def export() -> None:
+    checked("spark-bench-export", _hydra_export)
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def _hydra_memory(cfg: DictConfig) -> None:
+    """Per method config: KV bytes per sequence and the largest batch under ``memory.cap_gib``; then the run's
+    predicted peak per device, as ``spark-bench`` predicts it before loading the model (no model load)."""
+    import dataclasses
+
+    from spark_bench import memory as planner
+    from spark_bench.plan import run_bounds
+
+    try:
+        model, configs = validate(cfg, sources=False)
+        mem = cfg.memory
+        tasks = [] if cfg.benchmark.get("data_file") else benchmark_tasks(cfg)
+        prompt, _ = run_bounds(cfg, model, tasks, {c.compress_scope for c in configs})
+        seq_len = mem.seq_len or prompt
+        plans = [planner.plan(c, model, seq_len, mem.gen_len, mem.cap_gib, mem.overhead_gib) for c in configs]
+        prediction = memory_prediction(cfg, model, configs)
+    except (ConfigError, ValueError, OSError) as err:
+        fail("spark-bench-memory", cfg, err)
+    print(planner.render(plans, model, seq_len, mem.gen_len, mem.cap_gib))
+    print("\n" + "\n".join(prediction.lines()))
+    if mem.get("out"):
+        Path(mem.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(mem.out).write_text(json.dumps({"model": model.name, "seq_len": seq_len, "gen_len": mem.gen_len,
+                                             "cap_gib": mem.cap_gib, "plans": [dataclasses.asdict(p) for p in plans],
+                                             "run": dataclasses.asdict(prediction)}, indent=1), encoding="utf-8")
+
+
+def memory() -> None:
+    checked("spark-bench-memory", _hydra_memory)
+
+
+def merge(argv: list[str] | None = None) -> None:
+    """``spark-bench-merge DIR``: join ``DIR/shard-*-of-n`` into ``DIR`` (predictions, scores, table)."""
+    from spark_bench.shards import merge_shards
+
+    parser = argparse.ArgumentParser(prog="spark-bench-merge", description=merge.__doc__)
+    parser.add_argument("directory", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        n = merge_shards(args.directory)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"spark-bench-merge: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"spark-bench-merge: {n} shards → {args.directory}")
+    print((args.directory / "table.md").read_text())
