@@ -9,14 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from spark_bench.report.figures import pyplot, save
 
 
 def _rows(c: np.ndarray, most: int) -> np.ndarray:
@@ -24,70 +17,59 @@ def _rows(c: np.ndarray, most: int) -> np.ndarray:
     return np.unique(np.linspace(0, c.shape[0] - 1, min(most, c.shape[0])).round().astype(int))
 
 
+def _grid3d(c: np.ndarray, most: int, title: str):
+    """A 3D axes over (token, channel) for at most ``most`` tokens: (figure, axes, token grid, channel grid,
+    values)."""
+    rows = _rows(c, most)
+    tokens, channels = np.meshgrid(rows, np.arange(c.shape[1]), indexing="ij")
+    fig = pyplot().figure(figsize=(7, 5.5))
+    ax = fig.add_subplot(projection="3d")
+    ax.set(xlabel="token", ylabel="channel", zlabel="|q̄_j·k_tj|", title=title)
+    return fig, ax, tokens, channels, c[rows]
+
+
 def surface(c: np.ndarray, title: str, path: Path) -> Path:
     """Fig. 2a: contribution over (token, channel) as a surface."""
-    plt = _pyplot()
-    rows = _rows(c, 160)
-    tokens, channels = np.meshgrid(rows, np.arange(c.shape[1]), indexing="ij")
-    fig = plt.figure(figsize=(7, 5.5))
-    ax = fig.add_subplot(projection="3d")
-    ax.plot_surface(tokens, channels, c[rows], cmap="viridis", linewidth=0, antialiased=False)
-    ax.set(xlabel="token", ylabel="channel", zlabel="|q̄_j·k_tj|", title=title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    fig, ax, tokens, channels, values = _grid3d(c, 160, title)
+    ax.plot_surface(tokens, channels, values, cmap="viridis", linewidth=0, antialiased=False)
+    return save(fig, path)
 
 
 def scatter(c: np.ndarray, title: str, path: Path) -> Path:
     """Appendix B: the same contributions as a 3D scatter coloured by value."""
-    plt = _pyplot()
-    rows = _rows(c, 200)
-    tokens, channels = np.meshgrid(rows, np.arange(c.shape[1]), indexing="ij")
-    fig = plt.figure(figsize=(7, 5.5))
-    ax = fig.add_subplot(projection="3d")
-    ax.scatter(tokens.ravel(), channels.ravel(), c[rows].ravel(), c=c[rows].ravel(), cmap="viridis", s=2)
-    ax.set(xlabel="token", ylabel="channel", zlabel="|q̄_j·k_tj|", title=title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    fig, ax, tokens, channels, values = _grid3d(c, 200, title)
+    ax.scatter(tokens.ravel(), channels.ravel(), values.ravel(), c=values.ravel(), cmap="viridis", s=2)
+    return save(fig, path)
 
 
 def heatmap(c: np.ndarray, title: str, path: Path) -> Path:
     """Appendix B: channels × tokens, each token's contributions normalised by its largest (what matters for a
     per-token top-T is the order within the token)."""
-    plt = _pyplot()
+    plt = pyplot()
     share = c / np.maximum(c.max(axis=1, keepdims=True), 1e-30)
     fig, ax = plt.subplots(figsize=(10, 4))
     image = ax.imshow(share.T, aspect="auto", cmap="magma", interpolation="nearest")
     ax.set(xlabel="token", ylabel="channel", title=title)
     fig.colorbar(image, ax=ax, label="contribution / token's largest")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def token_patterns(c: np.ndarray, title: str, path: Path, count: int = 6) -> Path:
     """Appendix B: per-channel contributions of ``count`` representative tokens (evenly spaced over the prompt)."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = _rows(c, count)
     fig, axes = plt.subplots(1, len(rows), figsize=(3 * len(rows), 2.8), sharey=False)
     for ax, t in zip(np.atleast_1d(axes), rows):
-        ax.bar(np.arange(c.shape[1]), c[t], color=_pyplot().cm.viridis(c[t] / max(c[t].max(), 1e-30)))
+        ax.bar(np.arange(c.shape[1]), c[t], color=pyplot().cm.viridis(c[t] / max(c[t].max(), 1e-30)))
         ax.set(title=f"token {t}", xlabel="channel")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def cv_figure(cv_head: np.ndarray, cv_all: np.ndarray, title: str, path: Path, paper_cv: float = 1.1) -> Path:
     """Fig. 2b: the chosen head's CV per channel (with its mean and the paper's 1.1), and the distribution of every
     layer's and head's per-channel CVs."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
     left.bar(np.arange(len(cv_head)), cv_head, color="tab:blue")
     left.axhline(np.nanmean(cv_head), color="tab:orange", label=f"mean {np.nanmean(cv_head):.2f}")
@@ -100,16 +82,13 @@ def cv_figure(cv_head: np.ndarray, cv_all: np.ndarray, title: str, path: Path, p
     right.axvline(paper_cv, color="tab:red", linestyle="--", label=f"paper: > {paper_cv}")
     right.set(xlabel="CV across tokens (every layer, kv-head, channel)", ylabel="channels", title="all heads")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def loss_figure(table: pd.DataFrame, path: Path) -> Path:
     """Fig. 2c: relative loss (%) against the full cache per method and λ, ours (bars with 95% intervals) beside
     the paper's numbers where it gives them (hollow markers). ``table``: :func:`~.observation2.loss_table`."""
-    plt = _pyplot()
+    plt = pyplot()
     tasks = [t for t in dict.fromkeys(table.task) if t != "Avg."] + ["Avg."]
     methods = list(dict.fromkeys(table.method))
     ratios = sorted(table.ratio.unique())
@@ -128,17 +107,14 @@ def loss_figure(table: pd.DataFrame, path: Path) -> Path:
         ax.set_xticks(np.arange(len(tasks)), tasks, rotation=20)
         ax.set(title=f"λ = {ratio:g}", ylabel="relative loss vs full cache (%)")
     np.atleast_1d(axes)[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def memory_figure(plans: list[dict], cap_gib: float, seq_len: int, paper: dict, path: Path) -> Path:
     """The appendix's batch size and memory: peak GiB against batch size per method (weights + batch × KV per
     sequence, the planner's numbers) up to the cap, the largest batch in the legend; the paper's measured points
     (``paper``: method → {batch: GB}) and its largest batches as markers."""
-    plt = _pyplot()
+    plt = pyplot()
     gib = 2 ** 30
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for k, plan in enumerate(plans):
@@ -154,7 +130,4 @@ def memory_figure(plans: list[dict], cap_gib: float, seq_len: int, paper: dict, 
     ax.set(xlabel="batch size (sequences)", ylabel="peak memory (GiB)",
            title=f"weights + KV at {seq_len} tokens per sequence (hollow / dotted: the paper's)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -13,6 +13,24 @@ from pathlib import Path
 import pandas as pd
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig, path: Path) -> Path:
+    """Lay out, write as PNG (120 dpi) and close ``fig``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
 def load_predictions(directories) -> pd.DataFrame:
     frames = []
     for directory in directories:
@@ -33,11 +51,7 @@ def _per_config(preds: pd.DataFrame) -> pd.DataFrame:
 
 
 def figure_ratio(preds: pd.DataFrame, path: Path, eviction: str = "snapkv") -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = _per_config(preds)
     pruned = rows[rows.name.str.startswith(f"{eviction}+")]
     budget = pruned.budget.mode().iloc[0] if len(pruned) else rows.budget.iloc[0]  # the budget of the λ sweep
@@ -55,18 +69,11 @@ def figure_ratio(preds: pd.DataFrame, path: Path, eviction: str = "snapkv") -> P
     ax.set_ylabel("average score")
     ax.set_title(f"Score vs pruning ratio ({eviction}, budget {budget:g})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def figure_bytes(preds: pd.DataFrame, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = _per_config(preds)
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for family, mask in {"eviction only / full": ~rows.name.str.contains(r"\+"),
@@ -78,7 +85,4 @@ def figure_bytes(preds: pd.DataFrame, path: Path) -> Path:
     ax.set_ylabel("average score")
     ax.set_title("Score vs KV-cache bytes")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
