@@ -99,6 +99,11 @@ def paper_frame() -> pd.DataFrame:
     return read_paper_csv("figure2c")
 
 
+def _count(sizes: pd.Series) -> str:
+    low, high = int(sizes.min()), int(sizes.max())
+    return str(low) if low == high else f"{low}–{high}"
+
+
 def to_markdown(table: pd.DataFrame, paper: pd.DataFrame) -> str:
     """Ours (loss % and 95% interval, per task and λ) and then the paper's numbers as its text gives them."""
     tasks = list(dict.fromkeys(table.task))
@@ -109,8 +114,8 @@ def to_markdown(table: pd.DataFrame, paper: pd.DataFrame) -> str:
             f"{r.loss:.1f} [{r.low:.1f}, {r.high:.1f}]" for r in cells.itertuples()) + " |")
     full = table[table.task != "Avg."].drop_duplicates("task").set_index("task").full
     lines += ["", "Full cache mean score per task: " + ", ".join(f"{t} {v:.1f}" for t, v in full.items())
-              + f"; {int(table.n[table.task != 'Avg.'].min())}–{int(table.n[table.task != 'Avg.'].max())} samples"
-              " per task. Relative loss in %, 95% paired bootstrap intervals.", "",
+              + f"; {_count(table.n[table.task != 'Avg.'])} samples per task. Relative loss in %, 95% paired "
+              "bootstrap intervals.", "",
               "The paper (LLaMA-3.1-8B-Instruct, LongBench; §4.1's text):", "",
               "| λ | Method | Task | Loss % |", "|---|---|---|---|"]
     lines += [f"| {b.split()[-1]} | {m} | {c} | {v:g} |" for b, m, c, v in
