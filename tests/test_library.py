@@ -137,6 +137,18 @@ def test_batched_contexts_equal_each_alone(tiny_lm, ids):
     assert [row.tolist() for row in batch] == [row.tolist() for row in alone]
 
 
+def test_the_decoded_tail_grows_past_its_preallocated_capacity(tiny_lm, ids, monkeypatch):
+    """generate preallocates max_new_tokens per row; generating past it (a capacity of 1 here) grows the tail and
+    gives the same tokens."""
+    from spark_bench.engine import generate as engine_generate
+
+    context = spark_bench.compress(tiny_lm.model, _sample(ids), spark_bench.method("snapkv+spark", ratio=0.8,
+                                                                                   budget=64))
+    expected = spark_bench.generate(tiny_lm.model, context, max_new_tokens=6).tolist()
+    monkeypatch.setattr(engine_generate, "generation_capacity", lambda *args: 1)
+    assert spark_bench.generate(tiny_lm.model, context, max_new_tokens=6).tolist() == expected
+
+
 class _Boom(StoppingCriteria):
     def __init__(self, after: int):
         self.calls, self.after = 0, after

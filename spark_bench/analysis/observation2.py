@@ -89,7 +89,8 @@ def loss_table(scores: pd.DataFrame, paper: pd.DataFrame | None = None, resample
     table["paper"] = float("nan")
     if paper is not None:
         for k, row in table.iterrows():
-            hit = paper[(paper.block == f"λ {row.ratio:g}") & (paper.method == row.method) & (paper.column == row.task)]
+            hit = paper[(paper.block == f"λ {row.ratio:g}") & (paper.method == row.method)
+                        & (paper.column == row.task)]
             if not hit.empty:
                 table.loc[k, "paper"] = hit.value.iloc[0]
     return table

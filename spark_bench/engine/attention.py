@@ -23,7 +23,8 @@ def compressed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          compressed_cache=None, **kwargs):
     """transformers attention-function signature; ``key``/``value`` are the dense decoded tail (unused here)."""
     if compressed_cache is None:
-        raise RuntimeError("spark_bench attention needs the compressed_cache keyword (decode_rows / spark_bench.generate pass it)")
+        raise RuntimeError("spark_bench attention needs the compressed_cache keyword (decode_rows and "
+                           "spark_bench.generate pass it)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return compressed_cache.attend(module.layer_idx, query, scale), None
 
