@@ -189,21 +189,21 @@ def test_figure2c_configs_and_bad_inputs(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_the_observation2_sweep_resolves_in_a_dry_run():
-    """`make figure2 DRY_RUN=true`'s run: the SmolLM2 sweep plans its 75 samples × 9 configs without loading."""
-    import os
-    import subprocess
-    import sys
+def test_the_observation2_sweep_resolves_in_a_dry_run(capsys, monkeypatch):
+    """`make figure2 DRY_RUN=true`'s run: the SmolLM2 sweep plans its 75 samples × 9 configs without loading; the
+    paper's setting plans its three LongBench tasks and, without the model and data here, says the real run would
+    stop (the command line's exit 2)."""
+    from spark_bench import cli
 
-    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "+experiment=figure2", "dry_run=true"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "plan: 75 samples × 9 configs" in proc.stdout and "SparK(0.8)[constant]" in proc.stdout
-    # the paper's setting plans its three LongBench tasks; without the model and data here the dry run says the
-    # real run would stop (exit 2)
-    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "+experiment=figure2_longbench", "dry_run=true"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 2 and "the run would stop: model llama3.1-8b" in proc.stderr
-    assert "plan: samples per task (published): samsum 200, hotpotqa 200, repobench-p 500" in proc.stdout
-    assert "plan: 900 samples × 9 configs" in proc.stdout
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = _compose(["+experiment=figure2"])
+    cli.dry_run(cfg, Path(cfg.output_root) / cfg.run)
+    out = capsys.readouterr().out
+    assert "plan: 75 samples × 9 configs" in out and "SparK(0.8)[constant]" in out
+    assert "→ results/figure2/observation2" in out
+    cfg = _compose(["+experiment=figure2_longbench"])
+    with pytest.raises(cli.DryRunStop, match="the run would stop: model llama3.1-8b"):
+        cli.dry_run(cfg, Path(cfg.output_root) / cfg.run)
+    out = capsys.readouterr().out
+    assert "plan: samples per task (published): samsum 200, hotpotqa 200, repobench-p 500" in out
+    assert "plan: 900 samples × 9 configs" in out

@@ -69,11 +69,15 @@ def test_generate_equals_the_harness_over_the_method_matrix(tiny_lm, ids, scope)
     assert len(configs) > 100
 
 
-@pytest.mark.parametrize("model_name", ["tiny-qwen3"])
+@pytest.fixture(scope="module")
+def tiny_qwen3():
+    return load_model(model_config("tiny-qwen3"), str(DEVICE))
+
+
 @pytest.mark.parametrize("protocol", ["official", "paper"])
-def test_generate_equals_the_harness_on_qwen3(model_name, protocol, ids):
+def test_generate_equals_the_harness_on_qwen3(tiny_qwen3, protocol, ids):
     """Qwen3 (per-head q_norm; the official protocol's window queries without it)."""
-    lm = load_model(model_config(model_name), str(DEVICE))
+    lm = tiny_qwen3
     configs = [spark_bench.method(name, protocol=protocol, ratio=0.8, budget=64)
                for name in ("snapkv+spark", "pyramidkv+think", "adasnapkv+spark", "spark", "full")]
     sample = _sample(ids)
