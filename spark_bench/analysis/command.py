@@ -137,22 +137,22 @@ def saliency() -> None:
 def _memory_markdown(data: dict, paper: pd.DataFrame) -> str:
     from spark_bench.report.frame import clean_method
 
+    from spark_bench.analysis.figures import peak_gib
+
     gib = 2 ** 30
     ours = {p["method"]: p for p in data["plans"]}
+    at = {name: [peak_gib(p, b) for b in (32, 64)] for name, p in ours.items()}  # GiB at batch 32 and 64
     lines = [f"{data['model']}, {data['seq_len']} prompt + {data['gen_len']} generated tokens per sequence, "
              f"{data['cap_gib']:g} GiB; peak = weights + batch × KV per sequence (the planner's numbers, "
              "`spark-bench-memory`).", "",
              "| Method | KV GiB / sequence | GiB at batch 32 | GiB at batch 64 | max batch | paper: GB at 32 / 64, max "
              "batch |", "|---|---|---|---|---|---|"]
     for name, p in ours.items():
-        at = [(p["weights_bytes"] + b * p["kv_bytes_per_sequence"]) / gib for b in (32, 64)]
         theirs = paper[paper.method == clean_method(name)].set_index("column").value
         cited = (f"{theirs.get('batch 32', float('nan')):g} / {theirs.get('batch 64', float('nan')):g}, "
                  f"{theirs.get('max batch', float('nan')):g}") if len(theirs) else "–"
-        lines.append(f"| {name} | {p['kv_bytes_per_sequence'] / gib:.3f} | {at[0]:.2f} | {at[1]:.2f} | "
+        lines.append(f"| {name} | {p['kv_bytes_per_sequence'] / gib:.3f} | {at[name][0]:.2f} | {at[name][1]:.2f} | "
                      f"{p['max_batch']} | {cited} |")
-    at = {name: [(p["weights_bytes"] + b * p["kv_bytes_per_sequence"]) / gib for b in (32, 64)]
-          for name, p in ours.items()}
     lines.append("")
     for method, group in paper[paper.column.isin(["batch 32", "batch 64"])].groupby("method", sort=False):
         points = group.set_index("column").value.reindex(["batch 32", "batch 64"]).to_numpy()
@@ -200,10 +200,11 @@ def figure2(argv: list[str] | None = None) -> None:
             data = json.loads(args.memory.read_text(encoding="utf-8"))
             plans, paper = data["plans"], read_paper_csv("fig_app_bsz_mem")
             seq_len, gen_len = data["seq_len"], data["gen_len"]
-            marks = {p["method"]: {"measured": {int(c.split()[1]): v for c, v in zip(g.column, g.value)
-                                                if c.startswith("batch")},
-                                   "max_batch": float(g[g.column == "max batch"].value.iloc[0])}
-                     for p in plans for m, g in paper.groupby("method") if clean_method(p["method"]) == m}
+            theirs = {m: {"measured": {int(c.split()[1]): v for c, v in zip(g.column, g.value) if c.startswith("batch")},
+                          "max_batch": float(g[g.column == "max batch"].value.iloc[0])}
+                      for m, g in paper.groupby("method")}
+            marks = {p["method"]: theirs[clean_method(p["method"])] for p in plans
+                     if clean_method(p["method"]) in theirs}
             args.out.mkdir(parents=True, exist_ok=True)
             written.append(figures.memory_figure(plans, data["cap_gib"], seq_len + gen_len, marks,
                                                  args.out / "fig_app_batch_memory.png").name)

@@ -110,17 +110,21 @@ def loss_figure(table: pd.DataFrame, path: Path) -> Path:
     return save(fig, path)
 
 
+def peak_gib(plan: dict, batch):
+    """The planner's peak for ``batch`` sequences (a number or an array): weights + batch × KV per sequence, in
+    GiB (``plan``: one of ``spark-bench-memory``'s JSON plans)."""
+    return (plan["weights_bytes"] + batch * plan["kv_bytes_per_sequence"]) / 2 ** 30
+
+
 def memory_figure(plans: list[dict], cap_gib: float, seq_len: int, paper: dict, path: Path) -> Path:
     """The appendix's batch size and memory: peak GiB against batch size per method (weights + batch × KV per
     sequence, the planner's numbers) up to the cap, the largest batch in the legend; the paper's measured points
     (``paper``: method → {batch: GB}) and its largest batches as markers."""
     plt = pyplot()
-    gib = 2 ** 30
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for k, plan in enumerate(plans):
+    for plan in plans:
         batches = np.arange(0, plan["max_batch"] + 1)
-        memory = (plan["weights_bytes"] + batches * plan["kv_bytes_per_sequence"]) / gib
-        line, = ax.plot(batches, memory, label=f"{plan['method']}: max batch {plan['max_batch']}")
+        line, = ax.plot(batches, peak_gib(plan, batches), label=f"{plan['method']}: max batch {plan['max_batch']}")
         points = paper.get(plan["method"])
         if points:
             ax.scatter(list(points["measured"]), list(points["measured"].values()), color=line.get_color(),

@@ -75,7 +75,7 @@ def loss_table(scores: pd.DataFrame, paper: pd.DataFrame | None = None, resample
                 rep = 100 * (1 - mine[i].mean(axis=1) / ref[i].mean(axis=1))
             interval = stats.percentile(estimate, rep, len(ref))
             rows.append(dict(method=method, ratio=ratio, task=t, loss=estimate, low=interval.low, high=interval.high,
-                             n=len(ref), full=ref.mean() * 1.0))
+                             n=len(ref), full=float(ref.mean())))
             reps.append(rep)
             estimates.append(estimate)
         average = stats.percentile(float(np.mean(estimates)), np.nanmean(np.stack(reps), axis=0),
