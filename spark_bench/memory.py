@@ -149,7 +149,7 @@ def _synthetic_layer(cfg: MethodConfig, arch: Arch, dtype: torch.dtype, seq: int
 def store_bytes(cfg: MethodConfig, arch: Arch, dtype: str) -> StoreBytes:
     """Key and value bytes per stored token and per kv-head (and the constants), measured on the real stores."""
     from spark_bench.engine.cache import stackable
-    from spark_bench.storage.segments import compact_backend
+    from spark_bench.storage.dispatch import compact_backend
 
     short, long = 1024, 2048
     a = _synthetic_layer(cfg, arch, getattr(torch, dtype), short)
@@ -229,6 +229,32 @@ def prefill_work(arch: Arch, seq_len: int, itemsize: int, query_stats: bool) -> 
     mlp = 2 * arch.hidden_size + 3 * arch.intermediate_size
     stats = 2 * arch.num_heads * arch.head_dim * 4 if query_stats else 0
     return seq_len * (max(attention, mlp) * itemsize + stats)
+
+
+STEP_WORK_BOUND = 256 * 2 ** 20  # engine.cache.BatchedLayer.work_bytes: a suffix's query rows go in chunks under it
+
+
+def step_work(arch: Arch, rows: int, prompt: int, capacity: int, itemsize: int, loose: int, ada: int,
+              suffix: int = 0) -> tuple[int, int]:
+    """Bytes of one layer's decode-step temporaries for ``rows`` rows, ``(CPU, CUDA)``.
+
+    Both: float32 queries and outputs; the per-row path of ``loose`` rows (their keys rebuilt in the model dtype,
+    then as float32 for the scores, their values as float32); the decoded tail's float32 copy. CPU (the C++ kernels):
+    the padded float32 scores, their softmax and the prompt/tail concatenation of every row, ``3·R·H_q·(S + cap)·4``,
+    and AdaKV's unpacked validity (one byte per entry). CUDA (the fused kernel): its partial softmax, ``(D + 2)·4``
+    bytes per query row per chunk of at least 256 tokens (:meth:`~spark_bench.storage.segments.FusedTables.chunk_of`),
+    no score tensor. A suffix of ``suffix`` tokens multiplies the query rows, its chunks bounded by
+    :data:`STEP_WORK_BOUND`."""
+    h, hq, d = arch.num_kv_heads, arch.num_heads, arch.head_dim
+    q_rows = max(1, suffix)
+    common = 2 * rows * hq * q_rows * d * 4 + loose * h * prompt * d * (itemsize + 8) \
+        + 2 * rows * h * capacity * d * 4 * (loose > 0)
+    cpu = min(3 * rows * hq * q_rows * (prompt + capacity) * 4,
+              max(STEP_WORK_BOUND, 3 * rows * hq * (prompt + capacity) * 4))
+    cpu += ada * h * prompt
+    chunks = -(-prompt // max(256, min(1024, prompt // 8)))
+    cuda = min(rows * hq * q_rows * chunks * (d + 2) * 4, max(STEP_WORK_BOUND, rows * hq * chunks * (d + 2) * 4))
+    return common + cpu, common + cuda
 
 
 @dataclass(frozen=True)
@@ -365,7 +391,9 @@ def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: 
     capacity = new_tokens
     tail = batch * lay * 2 * h * capacity * d * e
     loose = sum(1 for _, c in plan_rows[:batch] if not store_bytes(c, arch, model.dtype).stacks)
-    step_work = 3 * batch * hq * (s + capacity) * 4 + loose * h * s * d * e
+    ada = sum(1 for _, c in plan_rows[:batch] if isinstance(Pipeline.from_config(c).eviction, AdaSnapKV))
+    suffix = capacity if any(c.compress_scope != "prompt" for c in configs) else 0  # ≤ new tokens (suffix included)
+    work = step_work(arch, batch, s, capacity, e, loose, ada, suffix)
     logits = 2 * batch * arch.vocab_size * 4
     out = []
     for dev in devices:
@@ -374,7 +402,7 @@ def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: 
             dev.name, dev.layers, dev.weights, int(f * prefill_kv),
             (prefill_work(arch, s, e, stats) if dev.layers else 0) + int(f * captured), int(f * memo), int(f * worst),
             compress_work if dev.layers else 0, int(f * tail),
-            (step_work if dev.layers else 0) + (logits if dev.last else 0), holds,
+            (work[dev.name.startswith("cuda")] if dev.layers else 0) + (logits if dev.last else 0), holds,
             baseline if dev.name == "cpu" else 0))
     return RunPrediction(s, new_tokens, rows_total, batch, out)
 

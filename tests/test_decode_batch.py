@@ -16,7 +16,7 @@ from conftest import DEVICE
 from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.engine.prefill import run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
-from spark_bench.storage import fast_logits
+from spark_bench.storage import dispatch, fast_logits
 from test_methods import MATRIX
 
 CONFIGS = [MethodConfig(name=name, budget=64, **options) for name, options in MATRIX]
@@ -149,7 +149,7 @@ def _spark_store(**options):
 def test_dispatch_decision_by_device_and_store():
     """CPU tensors → the C++ kernel; CUDA tensors → Triton when importable, else no compact kernel (rows are not
     stacked and a lone store rebuilds its keys); other devices → none. Decided without a GPU."""
-    from spark_bench.storage.segments import compact_backend
+    from spark_bench.storage.dispatch import compact_backend
 
     kernel = fast_logits.load_kernel()
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -159,9 +159,9 @@ def test_dispatch_decision_by_device_and_store():
     assert compact_backend(cuda, triton_ready=False).startswith("no: triton is not installed")
     assert compact_backend(torch.device("meta")).startswith("no: no compact kernel for meta tensors")
     store = _spark_store()
-    assert fast_logits.kernel_blocker(store, cpu) is None
-    assert "different numbers of channels" in fast_logits.kernel_blocker(_spark_store(variant="top_p"), cpu)
-    assert "draws a random score" in fast_logits.kernel_blocker(_spark_store(recovery="gaussian"), cpu)
+    assert dispatch.kernel_blocker(store, cpu) is None
+    assert "different numbers of channels" in dispatch.kernel_blocker(_spark_store(variant="top_p"), cpu)
+    assert "draws a random score" in dispatch.kernel_blocker(_spark_store(recovery="gaussian"), cpu)
 
 
 def test_more_query_rows_than_the_kernel_takes_go_in_chunks():
@@ -169,10 +169,10 @@ def test_more_query_rows_than_the_kernel_takes_go_in_chunks():
     equal to the dense reference, with no fallback."""
     store = _spark_store()
     queries = torch.randn(1, 2, 3 * 7, 64, generator=torch.Generator().manual_seed(1))
-    before = set(fast_logits.fallback_reasons())
-    got = store.logits(queries)
-    torch.testing.assert_close(got, store.reference_logits(queries), rtol=1e-4, atol=1e-4)
-    assert fast_logits.fallback_reasons() == before
+    before = set(dispatch.fallback_reasons())
+    got = dispatch.compact_logits(store, queries)
+    torch.testing.assert_close(got, store.logits(queries), rtol=1e-4, atol=1e-4)
+    assert dispatch.fallback_reasons() == before
 
 
 def test_non_cpu_queries_never_reach_the_kernel(monkeypatch):
@@ -183,8 +183,9 @@ def test_non_cpu_queries_never_reach_the_kernel(monkeypatch):
 
     monkeypatch.setattr(fast_logits, "load_kernel", no_kernel)
     queries = torch.empty(1, 2, 3, 64, device="meta")
+    monkeypatch.setattr(dispatch, "reference_logits", lambda store, q: "reference path")
     with pytest.warns(UserWarning, match="no compact kernel for meta tensors"):
-        out = fast_logits.compact_logits(store, queries, lambda q: "reference path")
+        out = dispatch.compact_logits(store, queries)
     assert out == "reference path"
 
 
@@ -194,16 +195,16 @@ PROBE = """
 import time, torch, warnings
 from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods.channel.spark import SparK
-from spark_bench.storage import fast_logits
+from spark_bench.storage import dispatch
 g = torch.Generator().manual_seed(0)
 keys = torch.randn(1, 2, 40, 64, generator=g)
 store = SparK(ratio=0.8).compress_keys(keys, LayerPrefill(keys, keys, torch.randn(1, 4, 32, 64, generator=g)))
 q = torch.randn(1, 2, 2, 64, generator=g)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    out = store.logits(q)
-assert torch.allclose(out, store.reference_logits(q), atol=1e-4)
-print("fallbacks:", sorted(fast_logits.fallback_reasons()))
+    out = dispatch.compact_logits(store, q)
+assert torch.allclose(out, store.logits(q), atol=1e-4)
+print("fallbacks:", sorted(dispatch.fallback_reasons()))
 """
 
 

@@ -5,7 +5,7 @@ import torch
 
 from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods.channel.spark import SparK
-from spark_bench.storage import fast_logits
+from spark_bench.storage import dispatch, fast_logits
 from spark_bench.storage.stores import UnstructuredStore
 
 SUPPORTED = [dict(saliency="official"), dict(saliency="paper"), dict(recovery="zero"), dict(recovery="none"),
@@ -40,12 +40,12 @@ def kernel():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_reference(kernel, options, head_dim, group, dtype):
     store, queries = _store(dtype, head_dim, group, **options)
-    assert fast_logits.kernel_blocker(store, queries.device) is None
-    fast = store.segment_stack.logits(queries).double()
+    assert dispatch.kernel_blocker(store, queries.device) is None
+    fast = dispatch.compact_logits(store, queries).double()
     ref = _float64_reference(store, queries)
     assert torch.allclose(fast, ref, rtol=1e-4, atol=1e-4), (fast - ref).abs().max()
     if dtype == torch.float32:  # and the store's own reference path (rebuild keys, then matmul)
-        assert torch.allclose(store.logits(queries).double(), store.reference_logits(queries).double(), atol=1e-4)
+        assert torch.allclose(fast, store.logits(queries).double(), atol=1e-4)
 
 
 @pytest.mark.parametrize("options,reason", [
@@ -55,8 +55,8 @@ def test_kernel_equals_reference(kernel, options, head_dim, group, dtype):
 ])
 def test_unsupported_recoveries_fall_back_visibly(kernel, options, reason):
     store, queries = _store(torch.float32, 64, 3, **options)
-    fast_logits._seen_fallbacks.discard(next((r for r in fast_logits.fallback_reasons() if reason in r), ""))
+    dispatch._seen_fallbacks.discard(next((r for r in dispatch.fallback_reasons() if reason in r), ""))
     with pytest.warns(UserWarning, match=reason):
-        out = store.logits(queries)
-    assert torch.equal(out, store.reference_logits(queries))
-    assert any(reason in r for r in fast_logits.fallback_reasons())
+        out = dispatch.compact_logits(store, queries)
+    assert torch.equal(out, dispatch.reference_logits(store, queries))
+    assert any(reason in r for r in dispatch.fallback_reasons())

@@ -14,7 +14,9 @@ from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.channel.spark import SparK
 from spark_bench.methods.channel.think import ThinK
-from spark_bench.storage.segments import SegmentStack, ValueStack
+from spark_bench.storage import dispatch
+from spark_bench.storage.bits import pack_bits
+from spark_bench.storage.segments import FusedTables, SegmentStack, ValueStack
 from spark_bench.storage.stores import DenseStore
 
 # every store kind a compact kernel serves: SparK fixed-T in each kernel mode, ThinK with and without its dense
@@ -34,12 +36,13 @@ KINDS = {
 }
 
 
-def _stores(dtype, head_dim, group, kinds, seed=0, device="cpu"):
-    """One store per kind, each over its own keys of a different length (rows of different budgets)."""
+def _stores(dtype, head_dim, group, kinds, seed=0, device="cpu", length=None):
+    """One store per kind, each over its own keys of a different length (rows of different budgets), or all of
+    ``length`` tokens."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, kind in enumerate(kinds):
-        s = 40 + 23 * i
+        s = length or 40 + 23 * i
         keys = torch.randn(1, 2, s, head_dim, generator=g).to(device, dtype)
         window = torch.randn(1, 2 * group, 32, head_dim, generator=g).to(device, dtype)
         method = KINDS[kind]
@@ -84,21 +87,23 @@ def test_cpp_segment_stack_equals_reference(head_dim, group, dtype):
     stores = _stores(dtype, head_dim, group, ALL)
     stack = SegmentStack(stores)
     queries = torch.randn(len(stores), 2, group, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
-    assert stack.backend() == "cpp"
-    _check_stack(stack.logits(queries), stores, queries, 1e-4)
+    _check_stack(dispatch.stack_logits(stack, queries), stores, queries, 1e-4)
 
 
 def test_segment_stack_reads_the_rows_stores_in_place():
-    """On the CPU a stack copies nothing: its parts are the stores' own tensors (views), so decoding holds the
-    compressed data once; the Triton layout concatenates them once, on first use."""
+    """A stack copies nothing: its parts are the stores' own tensors (views), and the fused kernel's tables hold
+    addresses into those same tensors, so decoding holds the compressed data once on every device."""
     stores = _stores(torch.bfloat16, 64, 3, ["spark_official", "spark_zero", "think_window", "dense"])
     stack = SegmentStack(stores)
     own = [stores[0].kept, stores[1].kept, stores[2].kept, stores[2].recent, stores[3].data]
     assert [p.data_ptr() for p in stack.kept_parts] == [t.data_ptr() for t in own]  # ThinK's recent: a view too
     assert stack.mask_parts[0].data_ptr() == stores[0].mask_bits.data_ptr()
     assert stack.nbytes() < 0.1 * sum(s.nbytes() for s in stores)  # the table and per-head scales only
-    flat, _ = stack.flat()
-    assert flat["kept"].numel() == sum(t.numel() for t in own)
+    values = ValueStack([DenseStore(torch.zeros(1, 2, s.length, 64, dtype=torch.bfloat16)) for s in stores], 200)
+    tables = FusedTables.build(stack, values, [None] * 8, members=4)
+    kept_addresses = set(tables.seg[2::10].tolist())
+    assert {stores[0].kept.data_ptr(), stores[3].data.data_ptr()} <= kept_addresses
+    assert tables.nbytes() < 0.1 * sum(s.nbytes() for s in stores)
 
 
 def test_value_stack_stores_shared_values_once():
@@ -108,13 +113,45 @@ def test_value_stack_stores_shared_values_once():
     assert [p.data_ptr() for p in stack.parts] == [shared.data.data_ptr(), own.data.data_ptr()]
     weights = torch.softmax(torch.randn(4, 2, 3, 50, generator=g), -1)
     weights[[0, 2, 3], ..., 30:] = 0
-    out = stack.apply(weights)
+    out = dispatch.stack_apply(stack, weights)
     for i, store in enumerate([shared, own, shared, shared]):
         torch.testing.assert_close(out[i:i + 1], weights[i:i + 1, ..., :store.length] @ store.data, rtol=1e-5,
                                    atol=1e-6)
 
 
-# ---- the Triton kernels, under Triton's CPU interpreter -------------------------------------------------------------
+def _float64_attention(store, value, queries, tail_k, tail_v, filled, q_len, valid=None):
+    """Softmax attention in float64 over a row's rebuilt prompt keys (−inf where ``valid`` is False) and its tail
+    (the last ``q_len`` tokens causal among themselves)."""
+    prompt = _float64_logits(store, queries)
+    if valid is not None:
+        prompt = prompt.masked_fill(~valid[:, :, None, :], float("-inf"))
+    b, h, gq, _ = queries.shape
+    tail = queries.double() @ tail_k[:, :, :filled].double().transpose(-1, -2)
+    visible = torch.ones(q_len, filled, dtype=torch.bool, device=queries.device).tril(filled - q_len)
+    tail = tail.view(b, h, gq // q_len, q_len, filled).masked_fill(~visible, float("-inf")).view(b, h, gq, filled)
+    weights = torch.cat([prompt, tail], -1).softmax(-1)
+    return weights @ torch.cat([value.data, tail_v[:, :, :filled]], -2).double()
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_decoded_tail_joins_the_cpp_kernel_calls(q_len):
+    """The decoded tail of every row scored after the prompt (its last q_len tokens causal among themselves) and
+    weighted into the output by the same two calls; equal to a dense float64 softmax attention."""
+    group, d, cap, filled = 2, 64, 9, 6
+    stores = _stores(torch.float32, d, group, ["spark_official", "think_window", "dense"], seed=7)
+    g = torch.Generator().manual_seed(8)
+    values = [DenseStore(torch.randn(1, 2, s.length, d, generator=g)) for s in stores]
+    keys_stack, value_stack = SegmentStack(stores), ValueStack(values, max(s.length for s in stores))
+    tail_k, tail_v = torch.randn(3, 2, cap, d, generator=g), torch.randn(3, 2, cap, d, generator=g)
+    queries = torch.randn(3, 2, group * q_len, d, generator=g)
+    scores = dispatch.stack_logits(keys_stack, queries, tail_k, filled, q_len)
+    out = dispatch.stack_apply(value_stack, scores.softmax(-1), tail_v, filled)
+    for i, (store, value) in enumerate(zip(stores, values)):
+        ref = _float64_attention(store, value, queries[i:i + 1], tail_k[i:i + 1], tail_v[i:i + 1], filled, q_len)
+        torch.testing.assert_close(out[i:i + 1].double(), ref, rtol=1e-4, atol=1e-5)
+
+
+# ---- the fused Triton decode, under Triton's CPU interpreter ------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def triton_kernels():
@@ -123,62 +160,49 @@ def triton_kernels():
     pytest.importorskip("triton")
     if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.fail("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py)")
-    return importlib.import_module("spark_bench.storage.triton_logits")
+    return importlib.import_module("spark_bench.storage.triton_decode")
 
 
-@pytest.mark.parametrize("head_dim,group,dtype", CASES, ids=lambda x: str(x).replace("torch.", ""))
-def test_triton_segment_logits_equal_reference(triton_kernels, head_dim, group, dtype):
-    """Every supported mode (official / paper degenerate, zero, none, constant, ThinK, dense) in one call; tolerance
-    1e-4 relative to the float64 reference (float32 accumulation in another order than the C++ kernel)."""
-    stores = _stores(dtype, head_dim, group, ALL, seed=3, device=DEVICE)
-    stack = SegmentStack(stores)
-    stack._backend = "triton"  # the CUDA path (on CPU tensors under the interpreter)
-    queries = torch.randn(len(stores), 2, group, head_dim, generator=torch.Generator().manual_seed(4)).to(DEVICE,
-                                                                                                       dtype)
-    _check_stack(stack.logits(queries), stores, queries, 1e-4)
+FUSED_CASES = [  # head_dim, group, q_len, dtype: every kind in one launch; a suffix; head_dim 96 padded to 128
+    (64, 3, 1, torch.bfloat16), (32, 2, 3, torch.float32), (96, 4, 1, torch.float32)]
 
 
-def test_triton_pv_equals_reference(triton_kernels):
-    g = torch.Generator().manual_seed(5)
-    a = DenseStore(torch.randn(1, 2, 37, 64, generator=g).to(DEVICE))
-    b = DenseStore(torch.randn(1, 2, 70, 64, generator=g).to(DEVICE))
-    rows = [a, b, a]
-    stack = ValueStack(rows, 70)
-    stack._backend = "triton"
-    weights = torch.softmax(torch.randn(3, 2, 12, 70, generator=g), -1).to(DEVICE)  # G·q = 12 rows (a suffix)
-    out = stack.apply(weights)
-    for i, store in enumerate(rows):
-        torch.testing.assert_close(out[i:i + 1], weights[i:i + 1, ..., :store.length] @ store.data, rtol=1e-5,
-                                   atol=1e-5)
-
-
-@pytest.mark.parametrize("backend", ["cpp", "triton"])
-@pytest.mark.parametrize("q_len", [1, 3])
-def test_decoded_tail_joins_the_kernel_calls(request, backend, q_len):
-    """The decoded tail of every row scored after the prompt (its last q_len tokens causal among themselves) and
-    weighted into the output by the same two calls; equal to a dense float64 softmax attention."""
-    if backend == "triton":
-        request.getfixturevalue("triton_kernels")
-    device = DEVICE if backend == "triton" else torch.device("cpu")
-    group, d, cap, filled = 2, 64, 9, 6
-    stores = _stores(torch.float32, d, group, ["spark_official", "think_window", "dense"], seed=7, device=device)
-    g = torch.Generator().manual_seed(8)
-    values = [DenseStore(torch.randn(1, 2, s.length, d, generator=g).to(device)) for s in stores]
+@pytest.mark.parametrize("head_dim,group,q_len,dtype", FUSED_CASES, ids=lambda x: str(x).replace("torch.", ""))
+def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, q_len, dtype):
+    """Every store kind (SparK official / paper degenerate, zero, none, constant, fork_pool0, ThinK with and without
+    its dense window, dense keys) in one launch, rows of different lengths, three rows sharing one value tensor (read
+    once per work item), AdaKV validity bits on one row, the decoded tail causal for a suffix: equal to float64
+    softmax attention within 1e-5 relative (float32 logits and softmax; the only rounding is float32 summation)."""
+    kinds = ["spark_official", "spark_paper", "spark_zero", "spark_fork_pool0", "think_window", "dense"]
+    if head_dim == 64:
+        kinds += ["spark_none", "spark_constant", "think_no_window", "spark_paper_constant"]
+    stores = _stores(dtype, head_dim, group, kinds, seed=3, device=DEVICE)
+    g = torch.Generator().manual_seed(4)
+    values = [DenseStore(torch.randn(1, 2, s.length, head_dim, generator=g).to(DEVICE, dtype)) for s in stores]
+    shared = DenseStore(torch.randn(1, 2, 60, head_dim, generator=g).to(DEVICE, dtype))  # rows sharing values
+    same = _stores(dtype, head_dim, group, ["spark_official", "think_window", "dense"], seed=5, device=DEVICE,
+                   length=60)
+    stores, values = stores + same, values + [shared] * len(same)
+    n, cap, filled = len(stores), 7, 5
+    valid = torch.rand(1, 2, stores[0].length, generator=g).to(DEVICE) > 0.3
+    valid[..., 0] = True
     keys_stack, value_stack = SegmentStack(stores), ValueStack(values, max(s.length for s in stores))
-    keys_stack._backend = value_stack._backend = backend
-    tail_k = torch.randn(3, 2, cap, d, generator=g).to(device)
-    tail_v = torch.randn(3, 2, cap, d, generator=g).to(device)
-    queries = torch.randn(3, 2, group * q_len, d, generator=g).to(device)
-    scores = keys_stack.logits(queries, tail_k, filled, q_len)
-    out = value_stack.apply(scores.softmax(-1), tail_v, filled)
+    bits = pack_bits(valid)
+    per_head = [(bits, j * bits.shape[-1]) for j in range(2)] + [None] * (2 * n - 2)
+    tail_k = torch.randn(n, 2, cap, head_dim, generator=g).to(DEVICE, dtype)
+    tail_v = torch.randn(n, 2, cap, head_dim, generator=g).to(DEVICE, dtype)
+    queries = torch.randn(n, 2, group * q_len, head_dim, generator=g).to(DEVICE)
+    members = triton_kernels.launch_shape(group * q_len)[1]
+    tables = FusedTables.build(keys_stack, value_stack, per_head, members)
+    assert len({tuple(r) for r in tables.work.view(-1, 6)[:, 4:5].tolist()}) < tables.n_work  # values shared
+    out = dispatch.fused_attention(tables, keys_stack.aux_scale, tail_k, queries.reshape(2 * n, -1, head_dim),
+                                   tail_k.reshape(2 * n, cap, head_dim), tail_v.reshape(2 * n, cap, head_dim),
+                                   torch.tensor([filled], device=DEVICE), q_len).view(n, 2, -1, head_dim)
     for i, (store, value) in enumerate(zip(stores, values)):
-        prompt = _float64_logits(store, queries[i:i + 1])
-        tail = queries[i:i + 1].double() @ tail_k[i:i + 1, :, :filled].double().transpose(-1, -2)
-        visible = torch.ones(q_len, filled, dtype=torch.bool, device=device).tril(filled - q_len)
-        tail = tail.view(1, 2, group, q_len, filled).masked_fill(~visible, float("-inf")).view(1, 2, -1, filled)
-        weights = torch.cat([prompt, tail], -1).softmax(-1)
-        ref = weights @ torch.cat([value.data, tail_v[i:i + 1, :, :filled]], -2).double()
-        torch.testing.assert_close(out[i:i + 1].double(), ref, rtol=1e-4, atol=1e-5)
+        ref = _float64_attention(store, value, queries[i:i + 1], tail_k[i:i + 1], tail_v[i:i + 1], filled, q_len,
+                                 valid if i == 0 else None)
+        err = ((out[i:i + 1].double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-5, (i, err)
 
 
 # ---- batched decoding with stacks --------------------------------------------------------------------------------

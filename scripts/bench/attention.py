@@ -19,7 +19,8 @@ from spark_bench.engine.cache import StoredLayer
 from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods.channel.spark import SparK
 from spark_bench.methods.channel.think import ThinK
-from spark_bench.storage.fast_logits import fallback_reasons, load_kernel
+from spark_bench.storage.dispatch import fallback_reasons
+from spark_bench.storage.fast_logits import load_kernel
 from spark_bench.storage.stores import DenseStore
 
 

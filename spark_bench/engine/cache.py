@@ -16,8 +16,10 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from spark_bench.storage import dispatch
 from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
-from spark_bench.storage.segments import SegmentStack, ValueStack, compact_backend, store_blocker
+from spark_bench.storage.dispatch import compact_backend, compact_logits, reference_logits
+from spark_bench.storage.segments import FusedTables, SegmentStack, ValueStack, store_blocker
 from spark_bench.storage.stores import DenseStore, Store
 
 ATTENTION_MODES = ("compact", "materialize")
@@ -37,14 +39,14 @@ class Partial:
     def of(cls, scores: torch.Tensor, values: torch.Tensor) -> "Partial":
         """``scores (..., n_q, S)`` (already scaled, −inf where masked) and ``values (..., S, D)``."""
         peak = scores.amax(dim=-1, keepdim=True)  # finite: every block has a visible key per query row
-        weights = (scores - peak).exp_()
-        w = weights.to(values.dtype)
+        w = (scores - peak).exp_()  # float32 weights times float32 values: one precision on every path
+        values = values.float()
         if w.shape[0] > 1 and values.shape[0] == 1:  # rows sharing one value tensor: fold them into the query dim
             r, h, n, s = w.shape                      # (a broadcast matmul would copy the values once per row)
             out = (w.transpose(0, 1).reshape(1, h, r * n, s) @ values).view(h, r, n, -1).transpose(0, 1)
         else:
             out = w @ values
-        return cls(out if out.dtype == torch.float32 else out.float(), weights.sum(dim=-1, keepdim=True), peak)
+        return cls(out, w.sum(dim=-1, keepdim=True), peak)
 
 
 def merge(parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
@@ -60,11 +62,11 @@ def merge(parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
 
 
 def tail_attention(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_len: int) -> Partial:
-    """Attention of ``grouped (R, H, G·q, D)`` (scaled) queries over the decoded tail ``(R, H, t, D)``: the newest
-    ``q`` tokens are the tail's last ``q`` entries, causal among themselves."""
+    """Attention of ``grouped (R, H, G·q, D)`` (scaled, float32) queries over the decoded tail ``(R, H, t, D)``: the
+    newest ``q`` tokens are the tail's last ``q`` entries, causal among themselves; float32 throughout."""
     r, h, gq, _ = grouped.shape
     t = keys.shape[-2]
-    scores = (grouped @ keys.transpose(-1, -2)).float()
+    scores = grouped.float() @ keys.float().transpose(-1, -2)
     if q_len > 1:  # query i (tail position t − q + i) sees tail keys 0 … t − q + i
         causal = torch.ones(q_len, t, dtype=torch.bool, device=grouped.device).tril(t - q_len)
         scores = scores.view(r, h, gq // q_len, q_len, t).masked_fill(~causal, float("-inf")).view(r, h, gq, t)
@@ -115,12 +117,13 @@ class StoredLayer(CacheLayerMixin):
         return keys, values
 
     def prompt_scores(self, grouped: torch.Tensor, mode: str = "compact") -> torch.Tensor:
-        """``grouped (B, H_kv, G·q, D)`` (already scaled) queries · this layer's prompt keys → float32 scores,
-        −inf on padding (AdaKV). ``materialize``: the dense reference (rebuild the keys, then a plain matmul)."""
+        """``grouped (B, H_kv, G·q, D)`` (already scaled, float32) queries · this layer's prompt keys → float32
+        scores, −inf on padding (AdaKV). ``compact``: the C++ kernel where it serves the store, else the rebuilt keys
+        (:func:`~spark_bench.storage.dispatch.compact_logits`); ``materialize``: always the rebuilt keys."""
         if mode == "materialize":
-            scores = (grouped @ self.key_store.materialize().to(grouped.dtype).transpose(-1, -2)).float()
+            scores = reference_logits(self.key_store, grouped)
         else:
-            scores = self.key_store.logits(grouped).float()
+            scores = compact_logits(self.key_store, grouped)
         valid = self.valid()
         return scores if valid is None else scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
 
@@ -132,7 +135,7 @@ class StoredLayer(CacheLayerMixin):
         """
         b, hq, q_len, d = query.shape
         h = self.value_store.shape[1]
-        grouped = query.reshape(b, h, hq // h * q_len, d) * scaling  # query head i uses kv-head i // group
+        grouped = query.float().reshape(b, h, hq // h * q_len, d) * scaling  # query head i uses kv-head i // group
         parts = [Partial.of(self.prompt_scores(grouped, mode), self.value_store.materialize())]
         if self.tail_length:
             parts.append(tail_attention(grouped, self.tail_keys, self.tail_values, q_len))
@@ -201,23 +204,29 @@ class BatchedLayer(CacheLayerMixin):
     ``(R, H_kv, capacity, D)`` for the tokens the rows decode together.
 
     Rows of a batch advance in lockstep (one token per step, or the same suffix length), so their tails always have
-    the same length. Rows whose stores a compact kernel serves (dense keys, ThinK, SparK fixed-T with ``zero`` /
-    ``none`` / ``constant`` / ``degenerate`` / ``fork_pool0``, on CPU or CUDA) are *stacked* when the batch is
-    formed: their key stores go into one :class:`~spark_bench.storage.segments.SegmentStack` and their value tensors,
-    each stored once however many rows share it, into one :class:`~spark_bench.storage.segments.ValueStack`. A step
-    then costs a fixed number of operations per layer, whatever the number of rows: one kernel call for the logits
-    over every stacked row's prompt and decoded tail, one softmax, one kernel call for weights · values. Other rows
-    (SparK-p/-g, sampled recoveries, value-pruned stores) keep the per-row path; with ``stack=False`` or
-    ``mode="materialize"`` every row does.
+    the same length (``length`` on the host, ``length_t`` on the device for the kernels). Rows whose stores a
+    compact kernel serves (dense keys, ThinK, SparK fixed-T with ``zero`` / ``none`` / ``constant`` / ``degenerate``
+    / ``fork_pool0``, dense values) are *stacked* when the batch is formed: their key stores go into one
+    :class:`~spark_bench.storage.segments.SegmentStack` and their value tensors, each once however many rows share
+    it, into one :class:`~spark_bench.storage.segments.ValueStack`. A step then costs a fixed number of kernel
+    launches per layer, whatever the number of rows:
 
-    The stacks are a copy of the stacked rows' compact stores, unpadded (only the ``(R, H, G, S_max)`` scores are
-    padded); the layer keeps no reference to those rows' own stores, so once the rows' caches are dropped (the
-    runner consumes them while the batch is built) decoding holds the compressed data once. When rows stop, the
-    stacks' segment tables are filtered: nothing is copied.
+    * CPU (``cpp``): the C++ logits over every stacked row's prompt and tail, one float32 softmax, the C++
+      ``weights · values``; a suffix's query rows go in chunks sized by ``work_bytes``;
+    * CUDA (``triton``): the fused decode (:mod:`spark_bench.storage.triton_decode`), one launch and a merge, no
+      score tensor; with ``stack=False`` each row gets its own fused launch (the same arithmetic, row by row).
+
+    Other rows (SparK-p/-g, sampled recoveries, value-pruned stores; every row with ``mode="materialize"``, and on
+    the CPU with ``stack=False``) take the per-row path: their own float32 scores, merged with the tail exactly.
+
+    The stacks read the rows' own tensors in place (nothing is copied) and the layer keeps the stores alive, so
+    decoding holds the compressed data once. AdaKV's padded heads are read from the rows' validity *bits*. When rows
+    stop, the tables are filtered (one host→device copy per table); nothing else crosses to the device in a step.
     """
 
     is_sliding = False
     is_compileable = False
+    work_bytes = 256 * 2 ** 20  # bound on a suffix's per-call float32 scores / partials (query rows go in chunks)
 
     def __init__(self, rows: list[StoredLayer], capacity: int, stack: bool = True, mode: str = "compact"):
         super().__init__()
@@ -228,35 +237,56 @@ class BatchedLayer(CacheLayerMixin):
         self.tail_keys = torch.empty(len(rows) * b, h, capacity, d, dtype=first.dtype, device=device)
         self.tail_values = torch.empty_like(self.tail_keys)
         self.length = 0
+        self.length_t = torch.zeros(1, dtype=torch.int64, device=device)
         self.is_initialized = True
         self.lengths = [row.key_store.length for row in rows]
         self.s_max = max(self.lengths)
-        backend = compact_backend(device) if stack and mode == "compact" else "no: stacking off"
-        stacked = [i for i, row in enumerate(rows) if stackable(row, backend) is None]
-        self.key_stack = self.value_stack = None
-        if stacked:
-            self.key_stack = SegmentStack([rows[i].key_store for i in stacked], self.s_max)
-            self.value_stack = ValueStack([rows[i].value_store for i in stacked], self.s_max)
-        self.bias = None  # −inf on AdaKV's padded heads (past a row's length the kernels already give −inf)
+        self.backend = compact_backend(device) if mode == "compact" else "no: materialize"
+        kernel = [i for i, row in enumerate(rows) if stackable(row, self.backend) is None]
+        if self.backend == "cpp" and not stack:
+            kernel = []  # the CPU per-row path: each row's own scores (the C++ kernel through a one-store table)
+        self.rows = rows
+        self.valid_bits = None  # AdaKV: (R·B, H, ceil(S_max / 8)) bits, the CPU kernels' mask
         if any(row.valid_bits is not None for row in rows):
-            invalid = torch.zeros(len(rows) * b, h, 1, self.s_max, dtype=torch.bool, device=device)
+            self.valid_bits = torch.full((len(rows) * b, h, -(-self.s_max // 8)), 255, dtype=torch.uint8,
+                                         device=device)
             for i, row in enumerate(rows):
-                valid = row.valid()
-                if valid is not None:
-                    invalid[i * b:(i + 1) * b, :, 0, :row.key_store.length] = ~valid
-            self.bias = torch.zeros(invalid.shape, device=device).masked_fill_(invalid, float("-inf"))
-        self.rows = [None if i in set(stacked) else row for i, row in enumerate(rows)]  # stacked: in the stacks
-        self._arrange(stacked)
+                if row.valid_bits is not None:
+                    self.valid_bits[i * b:(i + 1) * b, :, :row.valid_bits.shape[-1]] = row.valid_bits
+        self.stack = stack
+        self._arrange(kernel)
 
     def _arrange(self, stacked: list[int]) -> None:
-        """Index bookkeeping for the stacked rows (batch indices, in stack order) and the per-row ones."""
+        """The stacked rows (batch indices, in stack order), their stacks and tables, and the per-row ones."""
         device = self.tail_keys.device
         self.stacked = stacked
         self.loose = [i for i in range(len(self.rows)) if i not in set(stacked)]
         self.prefix = stacked == list(range(len(stacked)))  # stacked rows first: no reordering per step
         self.order = None if self.prefix else torch.tensor(stacked + self.loose, device=device).argsort()
         self.stacked_index = None if self.prefix else torch.tensor(stacked, device=device)
+        # units: rows one kernel call serves (all stacked rows; on CUDA with stack=False, one row each)
+        units = [stacked] if self.stack or self.backend != "triton" else [[i] for i in stacked]
+        self.units = []
+        for unit in (u for u in units if u):
+            keys = SegmentStack([self.rows[i].key_store for i in unit], self.s_max)
+            values = ValueStack([self.rows[i].value_store for i in unit], self.s_max)
+            self.units.append(dict(rows=unit, keys=keys, values=values, tables={},
+                                   index=None if unit == list(range(unit[0], unit[0] + len(unit))) else
+                                   torch.tensor(unit, device=device)))
         self._group_rows()
+
+    def _tables(self, unit: dict, members: int) -> FusedTables:
+        """The fused kernel's tables of ``unit`` for ``members`` query heads per work item (built once each)."""
+        if members not in unit["tables"]:
+            b = self.batch_rows
+            h = self.tail_keys.shape[1]
+            valid = []
+            for i in unit["rows"]:
+                bits = self.rows[i].valid_bits
+                for j in range(b * h):
+                    valid.append(None if bits is None else (bits, j * bits.shape[-1]))
+            unit["tables"][members] = FusedTables.build(unit["keys"], unit["values"], valid, members)
+        return unit["tables"][members]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: a batched layer is built initialised."""
@@ -271,111 +301,151 @@ class BatchedLayer(CacheLayerMixin):
         self.tail_keys[:, :, self.length:self.length + n] = key_states
         self.tail_values[:, :, self.length:self.length + n] = value_states
         self.length += n
+        if self.backend == "triton":
+            self.length_t += n
         return key_states, value_states  # attention reads the tail buffers (:meth:`attend`), not these
 
     def _group_rows(self) -> None:
-        """Per-row path (every row loose): rows whose value store is the same dense tensor (configs sharing an
-        eviction selection) form a group: their prompt scores are stacked and ``weights @ values`` runs once."""
+        """Per-row path: rows whose value store is the same dense tensor (configs sharing an eviction selection)
+        form a group: their prompt scores are stacked and ``weights @ values`` runs once."""
         groups: dict = {}
         for i in self.loose:
             store = self.rows[i].value_store
             groups.setdefault(id(store.data) if isinstance(store, DenseStore) else ("row", i), []).append(i)
         self.groups = list(groups.values())
-        flat = [i for g in self.groups for i in g]
-        self.group_order = None if flat == sorted(flat) else torch.tensor(flat, device=self.tail_keys.device).argsort()
 
     def keep(self, rows: list[int]) -> None:
-        """Drop the rows not in ``rows`` (they stopped generating): the tails are re-indexed, the stacks filtered."""
+        """Drop the rows not in ``rows`` (they stopped generating): the tails are re-indexed, the tables rebuilt."""
         b = self.batch_rows
         index = torch.tensor([i * b + j for i in rows for j in range(b)], device=self.tail_keys.device)
         self.tail_keys, self.tail_values = self.tail_keys[index], self.tail_values[index]
-        if self.bias is not None:
-            self.bias = self.bias[index]
-        position = {row: k for k, row in enumerate(self.stacked)}
-        kept = [position[i] for i in rows if i in position]
-        if self.key_stack is not None:
-            self.key_stack, self.value_stack = ((self.key_stack.select(kept), self.value_stack.select(kept))
-                                                if kept else (None, None))
+        if self.valid_bits is not None:
+            self.valid_bits = self.valid_bits[index]
+        position = set(self.stacked)
         self.rows = [self.rows[i] for i in rows]
         self.lengths = [self.lengths[i] for i in rows]
         self._arrange([j for j, i in enumerate(rows) if i in position])
 
     def attend(self, query: torch.Tensor, scaling: float, mode: str = "compact") -> torch.Tensor:
-        """``query (R, H_q, q, D)``, row ``r`` over row ``r``'s stores and tail → ``(R, q, H_q, D)``."""
-        if mode == "materialize" or not self.stacked:
-            return self._attend_rows(query, scaling, mode)
+        """``query (R, H_q, q, D)``, row ``r`` over row ``r``'s stores and tail → ``(R, q, H_q, D)``, float32
+        arithmetic on every path."""
         r, hq, q_len, d = query.shape
         h = self.tail_keys.shape[1]
-        grouped = query.reshape(r, h, hq // h * q_len, d) * scaling
-        n = len(self.stacked)
-        if n == r:  # every row stacked: prompt and tail in the same two kernel calls
-            scores = self.key_stack.logits(grouped, self.tail_keys, self.length, q_len)
-            if self.bias is not None:
-                scores[..., :self.s_max] += self.bias
-            out = self.value_stack.apply(scores.softmax(dim=-1), self.tail_values, self.length)
-            if out.dtype != query.dtype:
-                out = out.to(query.dtype)
-            return out.view(r, hq, q_len, d).transpose(1, 2)
-        mine = grouped if n == r else grouped[:n] if self.prefix else grouped.index_select(0, self.stacked_index)
-        prompt = self.key_stack.logits(mine)
-        if self.loose:
-            pad = [torch.nn.functional.pad(self.rows[i].prompt_scores(grouped[i:i + 1]),
-                                           (0, self.s_max - self.rows[i].key_store.length), value=float("-inf"))
-                   for i in self.loose]
-            prompt = torch.cat([prompt, *pad])
-            if self.order is not None:
-                prompt = prompt.index_select(0, self.order)
-        if self.bias is not None:
-            prompt = prompt + self.bias
-        tail_keys, tail_values = self.tail_keys[:, :, :self.length], self.tail_values[:, :, :self.length]
-        tail = grouped @ tail_keys.transpose(-1, -2)
-        if tail.dtype != torch.float32:
-            tail = tail.float()
-        if q_len > 1:  # query i (tail position t − q + i) sees tail keys 0 … t − q + i
-            t = self.length
-            causal = torch.ones(q_len, t, dtype=torch.bool, device=grouped.device).tril(t - q_len)
-            tail = tail.view(r, h, -1, q_len, t).masked_fill(~causal, float("-inf")).view(r, h, -1, t)
-        weights = torch.cat([prompt, tail], dim=-1).softmax(dim=-1)
-        w_prompt, w_tail = weights[..., :self.s_max], weights[..., self.s_max:]
-        if n == r:
-            out = self.value_stack.apply(w_prompt)
+        grouped = query.float().reshape(r, h, hq // h * q_len, d) * scaling
+        if mode == "materialize" or not self.stacked:
+            out = self._attend_rows(grouped, q_len, mode, list(range(r)))
+        elif self.backend == "triton":
+            out = self._attend_fused(grouped, q_len)
         else:
-            mine = w_prompt[:n] if self.prefix else w_prompt.index_select(0, self.stacked_index)
-            parts = [self.value_stack.apply(mine)]
-            for i in self.loose:
-                store = self.rows[i].value_store
-                values = store.materialize()
-                parts.append((w_prompt[i:i + 1, ..., :store.length].to(values.dtype) @ values).float())
-            out = torch.cat(parts)
-            if self.order is not None:
-                out = out.index_select(0, self.order)
-        if w_tail.dtype != tail_values.dtype:
-            w_tail = w_tail.to(tail_values.dtype)
-        out_tail = w_tail @ tail_values
-        out = out + out_tail if out_tail.dtype == torch.float32 else out + out_tail.float()
+            out = self._attend_cpu(grouped, q_len)
         if out.dtype != query.dtype:
             out = out.to(query.dtype)
         return out.view(r, hq, q_len, d).transpose(1, 2)
 
-    def _attend_rows(self, query: torch.Tensor, scaling: float, mode: str) -> torch.Tensor:
-        """The per-row path: each row's prompt scores over its own stores (grouped by shared values), the batched
-        tail, and the exact log-sum-exp merge of the two (:class:`Partial`)."""
-        r, hq, q_len, d = query.shape
-        h = self.tail_keys.shape[1]
-        grouped = query.reshape(r, h, hq // h * q_len, d) * scaling
-        parts = []
-        for group in self.groups:
+    def _rows_of(self, x: torch.Tensor, index, rows: list[int]) -> torch.Tensor:
+        return x[rows[0]:rows[0] + len(rows)] if index is None else x.index_select(0, index)
+
+    def _attend_fused(self, grouped: torch.Tensor, q_len: int) -> torch.Tensor:
+        """CUDA: each unit's rows through the fused kernel (query rows in chunks bounded by ``work_bytes``), the
+        loose rows through the per-row path."""
+        from spark_bench.storage.triton_decode import launch_shape
+
+        r, h, g, d = grouped.shape
+        cap = self.tail_keys.shape[2]
+        outs = []
+        for unit in self.units:
+            rows, index = unit["rows"], unit["index"]
+            n = len(rows) * self.batch_rows * h
+            q = self._rows_of(grouped, index, rows).reshape(n, g, d)
+            tk = self._rows_of(self.tail_keys, index, rows).reshape(n, cap, d)
+            tv = self._rows_of(self.tail_values, index, rows).reshape(n, cap, d)
+            step = g
+            while step > 1 and self._tables(unit, launch_shape(step)[1]).n_slots * step * (d + 2) * 4 > self.work_bytes:
+                step = -(-step // 2)
+            parts = []
+            for g0 in range(0, g, step):
+                qc = q if step == g else q[:, g0:g0 + step].contiguous()
+                tables = self._tables(unit, launch_shape(qc.shape[1])[1])
+                parts.append(dispatch.fused_attention(tables, unit["keys"].aux_scale, tk, qc, tk, tv, self.length_t,
+                                                      q_len, g0))
+            outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        out = out.view(-1, h, g, d)
+        if self.loose:
+            out = torch.cat([out, self._attend_rows(grouped, q_len, "compact", self.loose)])
+        if len(self.units) > 1 or self.order is not None:
+            order = [i for u in self.units for i in u["rows"]] + self.loose
+            if order != list(range(r)):
+                out = out.index_select(0, torch.tensor(order, device=out.device).argsort())
+        return out
+
+    def _attend_cpu(self, grouped: torch.Tensor, q_len: int) -> torch.Tensor:
+        """CPU: the C++ logits of the stacked rows (and the loose rows' own scores), one float32 softmax over prompt
+        and tail, the C++ ``weights · values``; a long suffix in chunks of query rows."""
+        r, h, g, d = grouped.shape
+        unit = self.units[0]
+        width = self.s_max + self.length
+        step = max(1, min(g, self.work_bytes // max(1, 3 * r * h * width * 4)))
+        outs = [self._attend_cpu_rows(grouped[:, :, g0:g0 + step], q_len, g0, unit) for g0 in range(0, g, step)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _attend_cpu_rows(self, grouped: torch.Tensor, q_len: int, g0: int, unit: dict) -> torch.Tensor:
+        r, h, g, d = grouped.shape
+        n = len(self.stacked)
+        keys, values = unit["keys"], unit["values"]
+        if n == r:  # every row stacked: prompt and tail in the same two kernel calls
+            scores = dispatch.stack_logits(keys, grouped, self.tail_keys, self.length, q_len, g0)
+            self._mask_invalid(scores)
+            return dispatch.stack_apply(values, scores.softmax(dim=-1), self.tail_values, self.length)
+        mine = grouped[:n] if self.prefix else grouped.index_select(0, self.stacked_index)
+        prompt = dispatch.stack_logits(keys, mine, g0=g0)
+        pad = [torch.nn.functional.pad(self.rows[i].prompt_scores(grouped[i:i + 1]),
+                                       (0, self.s_max - self.rows[i].key_store.length), value=float("-inf"))
+               for i in self.loose]
+        prompt = torch.cat([prompt, *pad])
+        if self.order is not None:
+            prompt = prompt.index_select(0, self.order)
+        self._mask_invalid(prompt)
+        t = self.length
+        tail = grouped @ self.tail_keys[:, :, :t].float().transpose(-1, -2)
+        if q_len > 1:  # query row k (step query (g0 + k) % q_len) sees tail keys 0 … t − q + (g0 + k) % q_len
+            last = t - q_len + (torch.arange(g0, g0 + g, device=grouped.device) % q_len)
+            visible = torch.arange(t, device=grouped.device)[None, :] <= last[:, None]
+            tail = tail.masked_fill(~visible, float("-inf"))
+        weights = torch.cat([prompt, tail], dim=-1).softmax(dim=-1)
+        w_prompt, w_tail = weights[..., :self.s_max], weights[..., self.s_max:]
+        mine = w_prompt[:n] if self.prefix else w_prompt.index_select(0, self.stacked_index)
+        parts = [dispatch.stack_apply(values, mine)]
+        for i in self.loose:
+            store = self.rows[i].value_store
+            parts.append(w_prompt[i:i + 1, ..., :store.length] @ store.materialize().float())
+        out = torch.cat(parts)
+        if self.order is not None:
+            out = out.index_select(0, self.order)
+        return out + w_tail @ self.tail_values[:, :, :t].float()
+
+    def _mask_invalid(self, scores: torch.Tensor) -> None:
+        """−inf on AdaKV's padded heads, from the validity bits (past a row's length the kernels give −inf)."""
+        if self.valid_bits is not None:
+            invalid = ~unpack_bits(self.valid_bits, self.s_max).unsqueeze(2)
+            scores[..., :self.s_max].masked_fill_(invalid, float("-inf"))
+
+    def _attend_rows(self, grouped: torch.Tensor, q_len: int, mode: str, rows: list[int]) -> torch.Tensor:
+        """The per-row path for ``rows``: each row's prompt scores over its own stores (grouped by shared values),
+        its tail, and the exact log-sum-exp merge of the two (:class:`Partial`); float32."""
+        out = {}
+        for group in self.groups if rows is self.loose else _groups_of(self.rows, rows):
             scores = [self.rows[i].prompt_scores(grouped[i:i + 1], mode) for i in group]
-            parts.append(Partial.of(scores[0] if len(scores) == 1 else torch.cat(scores),
-                                    self.rows[group[0]].value_store.materialize()))
-        prompt = parts[0] if len(parts) == 1 else Partial(*(torch.cat(x) for x in zip(
-            *((p.out, p.norm, p.peak) for p in parts))))
-        if self.group_order is not None:
-            prompt = Partial(prompt.out[self.group_order], prompt.norm[self.group_order],
-                             prompt.peak[self.group_order])
-        tail = tail_attention(grouped, self.tail_keys[:, :, :self.length], self.tail_values[:, :, :self.length],
-                              q_len)
-        return merge([prompt, tail], query.dtype).reshape(r, hq, q_len, d).transpose(1, 2)
+            prompt = Partial.of(scores[0] if len(scores) == 1 else torch.cat(scores),
+                                self.rows[group[0]].value_store.materialize())
+            index = torch.tensor(group, device=grouped.device) if len(group) > 1 else None
+            sel = (lambda x: x[group[0]:group[0] + 1]) if index is None else (lambda x: x.index_select(0, index))
+            tail = tail_attention(sel(grouped), sel(self.tail_keys)[:, :, :self.length],
+                                  sel(self.tail_values)[:, :, :self.length], q_len)
+            merged = merge([prompt, tail], torch.float32)
+            for k, i in enumerate(group):
+                out[i] = merged[k:k + 1]
+        return torch.cat([out[i] for i in rows])
 
     def get_seq_length(self) -> int:
         return max(self.lengths) + self.length
@@ -385,6 +455,15 @@ class BatchedLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+
+def _groups_of(rows: list[StoredLayer], which: list[int]) -> list[list[int]]:
+    """``which`` grouped by a shared dense value tensor (configs with the same eviction selection)."""
+    groups: dict = {}
+    for i in which:
+        store = rows[i].value_store
+        groups.setdefault(id(store.data) if isinstance(store, DenseStore) else ("row", i), []).append(i)
+    return list(groups.values())
 
 
 class BatchedCache(Cache):

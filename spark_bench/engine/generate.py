@@ -79,7 +79,7 @@ class GenerationCache(BatchedCache):
     ``(R, V)`` logits to replay for the prompt's last token (see the module docstring), or None."""
 
     def __init__(self, caches: list[CompressedCache], capacity: int, seen: int, replay: torch.Tensor | None = None,
-                 stack: bool = False):
+                 stack: bool = True):
         super().__init__(caches, capacity, stack, consume=False)
         self.seen = seen
         self.replay = replay
@@ -144,7 +144,7 @@ def generation_capacity(model: nn.Module, prompt_length: int, kwargs: dict) -> i
 
 @torch.no_grad()
 def generate(model: nn.Module, contexts: CompressedContext | list[CompressedContext],
-             input_ids: torch.Tensor | list[int] | None = None, stack: bool = False, **generate_kwargs):
+             input_ids: torch.Tensor | list[int] | None = None, stack: bool = True, **generate_kwargs):
     """``model.generate`` continued from compressed contexts, one row per context (all built from the same prompt);
     returns what ``model.generate`` returns (the sequences: ``input_ids`` then the new tokens, per row).
 
@@ -152,8 +152,9 @@ def generate(model: nn.Module, contexts: CompressedContext | list[CompressedCont
     begin with the compressed tokens, and whatever follows them runs through the cache first (e.g. a question
     over a compressed context). ``generate_kwargs`` go to ``model.generate`` (``max_new_tokens``, ``do_sample``,
     ``temperature``, ``eos_token_id``, ``stop_strings`` with ``tokenizer``, ``streamer``, ...); beam search and
-    assisted decoding are not supported. ``stack``: copy the stacked rows' stores into one kernel call per layer
-    (:class:`~spark_bench.engine.cache.BatchedLayer`); off by default, so nothing is copied."""
+    assisted decoding are not supported. ``stack`` (default, as the harness): the rows a compact kernel serves share
+    one kernel call per layer (:class:`~spark_bench.engine.cache.BatchedLayer`), reading the contexts' stores in
+    place (nothing is copied; the contexts stay usable); ``False``: each row on its own."""
     contexts = [contexts] if isinstance(contexts, CompressedContext) else list(contexts)
     if not contexts:
         raise ValueError("generate needs at least one compressed context")

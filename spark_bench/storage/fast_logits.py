@@ -1,15 +1,11 @@
-"""The compiled kernels of compact attention (``kernels/spark_logits.cpp``): building, loading, dispatch.
+"""The compiled CPU kernels of compact attention (``kernels/spark_logits.cpp``): building and loading.
 
 The C++ extension is compiled with ``torch.utils.cpp_extension`` when the project is installed (``make``; else on
 first use; needs a C++ compiler and ninja) and later imported without a build lock (:func:`load_kernel`). It holds
 two CPU kernels over a segment table (:mod:`.segments`): ``spark_segments`` (logits ``q·k̃`` over compact key stores:
 SparK fixed-T with ``zero``/``none``/``constant`` and ``degenerate`` in both saliency modes, ThinK, dense keys) and
-``pv_segments`` (``weights · values`` over value tensors shared by several rows). On CUDA tensors the same tables go to
-the Triton kernels (:mod:`.triton_logits`). A single store outside a decode batch (:func:`compact_logits`) uses the
-same kernel through a one-store segment table; anything the kernels do not serve — SparK-p/-g (ragged T),
-``gaussian``/``exponential``/``fork_*`` draws (per-entry random scores), no compiler, no Triton on CUDA — runs the
-reference path (rebuild the layer's keys, then matmul), with one warning per reason (:func:`kernel_blocker` decides;
-:func:`fallback_reasons` lists what was seen).
+``pv_segments`` (``weights · values`` over value tensors shared by several rows). :mod:`.dispatch` calls them; on
+CUDA tensors the fused Triton decode (:mod:`.triton_decode`) serves instead.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ from pathlib import Path
 import torch
 
 KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "engine" / "kernels" / "spark_logits.cpp"
-MODES = {"constant": 0, "aligned": 1, "signed": 2}
-_seen_fallbacks: set[str] = set()
+MAX_GROUP = 8  # query rows per kv-head one spark_segments call takes (a template parameter); more go in chunks
 
 
 KERNEL_WAIT_S = 300.0  # longest wait for a build (or another process's build lock) before the reference path
@@ -103,41 +98,6 @@ def load_kernel(wait_s: float | None = None):
         return (f"kernel build did not finish within {wait_s:g} s (lock file {lock}: delete it if no build is "
                 f"running)")
     return outcome[0]
-
-
-def fallback(reason: str) -> None:
-    if reason not in _seen_fallbacks:
-        _seen_fallbacks.add(reason)
-        warnings.warn(f"spark-bench: compact SparK attention falls back to rebuild-then-matmul: {reason}",
-                      stacklevel=3)
-
-
-def fallback_reasons() -> set[str]:
-    return set(_seen_fallbacks)
-
-
-def kernel_blocker(store, device: torch.device) -> str | None:
-    """Why no compact kernel can serve this store on ``device`` (None: one can): the store's layout and recovery
-    (:func:`~.segments.store_blocker`), then the device (:func:`~.segments.compact_backend`: the C++ kernel takes CPU
-    tensors, the Triton kernel CUDA tensors)."""
-    from spark_bench.storage.segments import compact_backend, store_blocker
-
-    reason = store_blocker(store)
-    if reason is not None:
-        return reason
-    backend = compact_backend(device)
-    return backend[4:] if backend.startswith("no:") else None
-
-
-def compact_logits(store, queries: torch.Tensor, reference) -> torch.Tensor:
-    """``queries (B, H, G, D)`` · keys of one compact ``store`` → ``(B, H, G, S)`` float32 through the kernel of
-    ``queries``' device when it serves the store (a one-store segment table, kept on the store: no copy of its
-    data), else ``reference(queries)`` with one warning per reason."""
-    reason = kernel_blocker(store, queries.device)
-    if reason is None:
-        return store.segment_stack.logits(queries)
-    fallback(reason)
-    return reference(queries)
 
 
 if __name__ == "__main__":  # `python -m spark_bench.storage.fast_logits`: build now (make does this at install)

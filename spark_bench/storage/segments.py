@@ -12,9 +12,9 @@ Modes (the kernel header ``engine/kernels/spark_logits.cpp`` has the formulas): 
 ``constant``; ThinK's pruned channels read as 0), 1 paper degenerate (``saliency=paper``), 2 official degenerate
 (signs + ``sqrt(μ/‖q‖)``), 3 dense (every channel kept: ThinK's recent tokens).
 
-Backends (:func:`compact_backend` decides, on the device of the tensors): the C++ kernel on CPU tensors, the Triton
-kernel (:mod:`.triton_logits`) on CUDA tensors. Where neither can run, rows are not stacked and each row's store
-serves its own logits (:meth:`Store.logits`, the reference path for non-CPU devices).
+Two kernels read these layouts (:mod:`.dispatch` picks by device): the C++ kernels on CPU tensors read the stacks'
+*parts* (the rows' own tensors) through part indices and offsets; the fused Triton decode on CUDA tensors reads the
+same parts through 64-bit addresses (:class:`FusedTables`). Neither copies the rows' compressed data.
 """
 
 from __future__ import annotations
@@ -23,17 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from spark_bench.storage.bits import tensor_bytes
+from spark_bench.storage.bits import pack_bits, tensor_bytes
+from spark_bench.storage.stores import DenseStore, StructuredKeyStore, UnstructuredStore
 
 # the C++ kernel's table: each array read from one of several parts (the rows' own tensors) at an offset in it
 PART_COLUMNS = ("qh", "out_off", "n_tokens", "t_kept", "kept_part", "kept_off", "mask_part", "mask_off", "mask_stride",
                 "mu_part", "mu_off", "sign_part", "sign_off", "mode")
-# the Triton kernel's table: offsets into one concatenated array per kind
-SEGMENT_COLUMNS = ("qh", "out_off", "n_tokens", "t_kept", "kept_off", "mask_off", "mask_stride", "mu_off",
-                   "sign_off", "mode")
 MODES = {"constant": 0, "aligned": 1, "signed": 2, "dense": 3}
-_EMPTY = torch.empty(0)
-MAX_GROUP = 8  # query rows per kv-head one C++ call takes; more (a suffix through the cache) go in chunks
 
 
 @dataclass(frozen=True)
@@ -50,33 +46,8 @@ class KernelTerms:
     n_signs: int = 0
 
 
-def _triton_ready() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def compact_backend(device: torch.device, cpp_kernel=None, triton_ready: bool | None = None) -> str:
-    """``cpp`` (CPU tensors, the compiled kernel), ``triton`` (CUDA tensors, Triton importable), or the reason
-    neither serves ``device`` (a string starting with ``no:``): then the rows are not stacked. ``cpp_kernel``: the
-    loaded extension or the reason it is unavailable (default: :func:`~.fast_logits.load_kernel`)."""
-    if device.type == "cpu":
-        if cpp_kernel is None:
-            from spark_bench.storage.fast_logits import load_kernel
-            cpp_kernel = load_kernel()
-        return f"no: {cpp_kernel}" if isinstance(cpp_kernel, str) else "cpp"
-    if device.type == "cuda":
-        ready = _triton_ready() if triton_ready is None else triton_ready
-        return "triton" if ready else "no: triton is not installed (pip install triton) for the CUDA kernel"
-    return f"no: no compact kernel for {device.type} tensors"
-
-
 def store_blocker(store) -> str | None:
     """Why ``store`` cannot join a segment stack (None: it can)."""
-    from spark_bench.storage.stores import DenseStore, StructuredKeyStore, UnstructuredStore
-
     if isinstance(store, DenseStore):
         return None if store.shape[-1] % 8 == 0 else f"head_dim {store.shape[-1]} is not a multiple of 8"
     if isinstance(store, StructuredKeyStore):
@@ -116,28 +87,21 @@ class SegmentStack:
     order the stores were given and returns ``(ΣB, H, G, S_max)`` float32 logits (−inf past a row's length)."""
 
     def __init__(self, stores: list, s_max: int | None = None):
-        from spark_bench.storage.bits import pack_bits
-        from spark_bench.storage.stores import DenseStore, StructuredKeyStore
-
         first = stores[0]
         self.heads, self.head_dim = first.shape[1], first.shape[-1]
         self.s_max = s_max if s_max is not None else max(s.length for s in stores)
         device = _device_of(first)
         d = self.head_dim
         self.kept_parts, self.mask_parts, self.mu_parts, self.sign_parts = [], [], [], []
-        rows, fills, scales, qh = [], [], [], 0
+        rows, fills, scales, own, qh = [], [], [], [], 0
 
         def part(parts: list, tensor: torch.Tensor) -> int:
             parts.append(tensor)
             return len(parts) - 1
 
-        flat_kept = []  # each segment's kept offset in its part's contiguous layout (the Triton copy)
-
         def segment(qh, out_off, n, t, kept, mask, mu, sign, mode, fill=0.0):
-            """``kept``: (part, offset, contiguous offset); ``mu``/``sign``: (part, offset); ``mask``: (part, offset,
-            stride); absent: (-1, 0[, 0])."""
-            rows.append((qh, out_off, n, t, *kept[:2], *mask, *mu, *sign, MODES[mode]))
-            flat_kept.append(kept[2])
+            """``kept``, ``mu``, ``sign``: (part, offset); ``mask``: (part, offset, stride); absent: (-1, 0[, 0])."""
+            rows.append((qh, out_off, n, t, *kept, *mask, *mu, *sign, MODES[mode]))
             fills.append(fill)
 
         def head_offsets(x: torch.Tensor):
@@ -160,22 +124,23 @@ class SegmentStack:
                 data, offsets = head_offsets(store.data)
                 k = part(self.kept_parts, data)
                 for i in range(b * h):
-                    segment(qh + i, 0, s, d, (k, offsets[i], i * s * d), no_mask, none, none, "dense")
+                    segment(qh + i, 0, s, d, (k, offsets[i]), no_mask, none, none, "dense")
                 scales.append(torch.ones(b * h, d, device=device))
             elif isinstance(store, StructuredKeyStore):
                 s_old, t = store.kept.shape[-2], store.kept.shape[-1]
                 n_recent = store.recent.shape[-2]
                 channel_mask = torch.zeros(b, h, d, dtype=torch.bool, device=device)
                 channel_mask.scatter_(-1, store.channels.long(), True)
-                m = part(self.mask_parts, pack_bits(channel_mask).reshape(-1, d // 8))
+                own.append(pack_bits(channel_mask).reshape(-1, d // 8))
+                m = part(self.mask_parts, own[-1])
                 k_old = part(self.kept_parts, store.kept.contiguous())
                 recent, recent_offsets = head_offsets(store.recent)
                 k_recent = part(self.kept_parts, recent) if n_recent else -1
                 for i in range(b * h):
-                    segment(qh + i, 0, s_old, t, (k_old, i * s_old * t, i * s_old * t), (m, i, 0), none, none,
+                    segment(qh + i, 0, s_old, t, (k_old, i * s_old * t), (m, i, 0), none, none,
                             "constant")
                     if n_recent:
-                        segment(qh + i, s_old, n_recent, d, (k_recent, recent_offsets[i], i * n_recent * d), no_mask,
+                        segment(qh + i, s_old, n_recent, d, (k_recent, recent_offsets[i]), no_mask,
                                 none, none, "dense")
                 scales.append(torch.ones(b * h, d, device=device))
             else:
@@ -186,7 +151,7 @@ class SegmentStack:
                 mu = part(self.mu_parts, terms.mu.to(store.kept.dtype).reshape(-1)) if terms.mu is not None else -1
                 sg = part(self.sign_parts, terms.sign_bits.reshape(-1)) if terms.sign_bits is not None else -1
                 for i in range(b * h):
-                    segment(qh + i, 0, s, t, (k, i * s * t, i * s * t), (m, i * s, 1), (mu, i * s) if mu >= 0 else none,
+                    segment(qh + i, 0, s, t, (k, i * s * t), (m, i * s, 1), (mu, i * s) if mu >= 0 else none,
                             (sg, i * s * p) if sg >= 0 else none, terms.mode, terms.fill)
                 scale = terms.aux_scale if terms.aux_scale is not None else torch.ones(b, h, d, device=device)
                 scales.append(scale.float().reshape(b * h, d))
@@ -195,114 +160,38 @@ class SegmentStack:
         self.dtype = first.dtype
         self.device = device
         self.aux_scale = _join(scales, None).contiguous()
-        self._set_rows(rows, fills, flat_kept)
-        self._flat = None
-        self._backend = None
+        self._own = own  # tensors the stack made (ThinK's per-head channel masks)
+        self._set_rows(rows, fills)
 
-    def _set_rows(self, rows: list[tuple], fills: list[float], flat_kept: list[int]) -> None:
-        self._rows, self._fills, self._flat_kept = rows, fills, flat_kept
+    def _set_rows(self, rows: list[tuple], fills: list[float]) -> None:
+        self._rows, self._fills = rows, fills
         self.table = torch.tensor(rows, dtype=torch.int64, device=self.device).reshape(-1, len(PART_COLUMNS))
         self.fills = torch.tensor(fills, dtype=torch.float32, device=self.device)
         self.max_tokens = max((r[2] for r in rows), default=0)
-        self._flat_table = None
-
-    def flat(self):
-        """The Triton layout: (kept, mask, mu, signs) concatenated (once per stack) and the table with absolute
-        offsets (:data:`SEGMENT_COLUMNS`)."""
-        if self._flat is None:
-            def bases(parts, unit=lambda t: t.numel()):
-                out, total = [], 0
-                for t in parts:
-                    out.append(total)
-                    total += unit(t)
-                return out
-            d8 = self.head_dim // 8
-            self._flat = dict(
-                kept=_join([t.contiguous().reshape(-1) for t in self.kept_parts],
-                           torch.empty(0, dtype=self.dtype, device=self.device)),
-                mask=_join(self.mask_parts, torch.empty(0, d8, dtype=torch.uint8, device=self.device)),
-                mu=_join(self.mu_parts, torch.empty(0, dtype=self.dtype, device=self.device)),
-                signs=_join(self.sign_parts, torch.empty(0, dtype=torch.uint8, device=self.device)),
-                kept_base=bases(self.kept_parts), mask_base=bases(self.mask_parts, lambda t: t.shape[0]),
-                mu_base=bases(self.mu_parts), sign_base=bases(self.sign_parts, lambda t: 8 * t.numel()))
-        if self._flat_table is None:
-            f = self._flat
-            absolute = [(qh, out, n, t, f["kept_base"][kp] + kc if kp >= 0 else 0,
-                         f["mask_base"][mp] + mo if mp >= 0 else -1, stride, f["mu_base"][up] + uo if up >= 0 else -1,
-                         f["sign_base"][sp] + so if sp >= 0 else -1, mode)
-                        for (qh, out, n, t, kp, _, mp, mo, stride, up, uo, sp, so, mode), kc
-                        in zip(self._rows, self._flat_kept)]
-            self._flat_table = torch.tensor(absolute, dtype=torch.int64, device=self.device).reshape(
-                -1, len(SEGMENT_COLUMNS))
-        return self._flat, self._flat_table
 
     def select(self, rows: list[int]) -> "SegmentStack":
         """The stack of the stacked rows ``rows`` (indices in stack order), sharing this stack's parts: only the
         table is rebuilt (rows that stopped decoding drop out of it), nothing is copied."""
         keep = {r: i for i, r in enumerate(rows)}
         k = self.row_heads
-        picked = [(seg, fill, kc) for seg, fill, kc in zip(self._rows, self._fills, self._flat_kept)
-                  if seg[0] // k in keep]
+        picked = [(seg, fill) for seg, fill in zip(self._rows, self._fills) if seg[0] // k in keep]
         out = object.__new__(SegmentStack)
         out.__dict__.update(self.__dict__)
-        out._set_rows([(keep[seg[0] // k] * k + seg[0] % k, *seg[1:]) for seg, _, _ in picked],
-                      [f for _, f, _ in picked], [kc for _, _, kc in picked])
+        out._set_rows([(keep[seg[0] // k] * k + seg[0] % k, *seg[1:]) for seg, _ in picked], [f for _, f in picked])
         heads = torch.tensor([r * k + j for r in rows for j in range(k)], device=self.device)
         out.aux_scale = self.aux_scale.index_select(0, heads)
         return out
 
     def nbytes(self) -> int:
-        """Bytes the stack adds to its rows' stores (table, per-head scales, ThinK's per-head masks, and the Triton
-        layout's concatenated copy once it exists)."""
-        own = tensor_bytes(self.table, self.fills, self.aux_scale)
-        flat = sum(tensor_bytes(v) for k, v in (self._flat or {}).items() if isinstance(v, torch.Tensor))
-        return own + flat
-
-    def backend(self) -> str:
-        if self._backend is None:
-            self._backend = compact_backend(self.device)
-        return self._backend
-
-    def logits(self, queries: torch.Tensor, tail: torch.Tensor | None = None, tail_len: int = 0,
-               q_len: int = 1) -> torch.Tensor:
-        """``queries (ΣB, H, G, D)`` → ``(ΣB, H, G, S_max + tail_len)`` float32, −inf past a row's length.
-
-        ``tail (ΣB, H, capacity, D)``: the rows' decoded tokens (the first ``tail_len`` filled), scored into the
-        positions after ``S_max``; the last ``q_len`` of them are this step's own tokens, causal among themselves
-        (query row ``r`` of a kv-head is the step's query ``r % q_len``)."""
-        n, h, g, d = queries.shape
-        q = queries.reshape(n * h, g, d)
-        if q.dtype != torch.float32:
-            q = q.float()
-        tail_flat = tail.reshape(n * h, tail.shape[2], d) if tail_len else None
-        backend = self.backend()
-        chunks = []
-        for g0 in range(0, g, MAX_GROUP):  # query rows per call: the C++ kernel's bound, Triton's compiled variants
-            c = q[:, g0:g0 + MAX_GROUP].contiguous()
-            if backend == "cpp":
-                from spark_bench.storage.fast_logits import load_kernel
-
-                chunks.append(load_kernel().spark_segments(
-                    c, self.aux_scale, self.table, self.fills, self.kept_parts, self.mask_parts, self.mu_parts,
-                    self.sign_parts, self.s_max, tail_flat if tail_len else _EMPTY, tail_len, q_len,
-                    g0))
-            elif backend == "triton":
-                from spark_bench.storage.triton_logits import segment_logits
-
-                f, table = self.flat()
-                chunks.append(segment_logits(c, self.aux_scale, table, self.fills, f["kept"], f["mask"], f["mu"],
-                                             f["signs"], self.s_max, self.max_tokens, tail_flat, tail_len, q_len, g0))
-            else:
-                raise RuntimeError(f"segment stack on {self.device}: {backend[4:]}")
-        out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
-        return out.view(n, h, g, self.s_max + tail_len)
+        """Bytes the stack adds to its rows' stores (table, per-head scales, ThinK's per-head masks)."""
+        return tensor_bytes(self.table, self.fills, self.aux_scale, *self._own)
 
 
 class ValueStack:
     """The dense value tensors of several rows, each read once however many rows share it (configs sharing an
-    eviction selection share its values), with one value segment per (row, kv-head): :meth:`apply` computes
-    ``weights · values`` for every row in one kernel call. The tensors are parts read in place on the CPU; the
-    Triton kernel gets them concatenated once."""
+    eviction selection share its values), with one value segment per (row, kv-head): the C++ ``pv_segments`` computes
+    ``weights · values`` for every row in one call, the fused Triton decode reads each shared tensor once per work
+    item. The tensors are parts read in place, never copied."""
 
     def __init__(self, stores: list, width: int):
         first = stores[0].data
@@ -323,33 +212,16 @@ class ValueStack:
                 strided.append([(i // h) * data.stride(0) + (i % h) * data.stride(1) for i in range(b * h)])
             part = unique[id(store.data)]
             for i in range(b * h):
-                rows.append((qh + i, 0, s, part, strided[part][i], i * s * d))
+                rows.append((qh + i, 0, s, part, strided[part][i]))
             qh += b * h
         self.row_heads = first.shape[0] * first.shape[1]
         self._set_rows(rows)
-        self._flat = None
-        self._backend = None
 
     def _set_rows(self, rows: list[tuple]) -> None:
-        """``rows``: (qh, w_off, n, part, offset in the part, offset in the part's contiguous layout)."""
+        """``rows``: (qh, w_off, n, part, offset in the part)."""
         rows = sorted(rows, key=lambda r: (r[3], r[4], r[2]))  # one tensor's segments adjacent: read once per run
         self._rows = rows
-        self.table = torch.tensor([r[:5] for r in rows], dtype=torch.int64, device=self.device).reshape(-1, 5)
-        self._flat_table = None
-
-    def flat(self):
-        """The Triton layout: the parts concatenated (once) and the table with absolute offsets."""
-        if self._flat is None:
-            bases, total = [], 0
-            for t in self.parts:
-                bases.append(total)
-                total += t.numel()
-            self._flat = (_join([t.contiguous().reshape(-1) for t in self.parts], None), bases)
-        if self._flat_table is None:
-            values, bases = self._flat
-            self._flat_table = torch.tensor([(qh, w, n, bases[p] + flat) for qh, w, n, p, _, flat in self._rows],
-                                            dtype=torch.int64, device=self.device).reshape(-1, 4)
-        return self._flat[0], self._flat_table
+        self.table = torch.tensor(rows, dtype=torch.int64, device=self.device).reshape(-1, 5)
 
     def select(self, rows: list[int]) -> "ValueStack":
         """The stack of ``rows`` (indices in stack order), sharing this stack's values (nothing is copied)."""
@@ -359,27 +231,96 @@ class ValueStack:
         out._set_rows([(keep[seg[0] // k] * k + seg[0] % k, *seg[1:]) for seg in self._rows if seg[0] // k in keep])
         return out
 
-    def apply(self, weights: torch.Tensor, tail: torch.Tensor | None = None, tail_len: int = 0) -> torch.Tensor:
-        """``weights (ΣB, H, G, W)`` float32 (W ≥ every row's length; the prompt's weights first) →
-        ``(ΣB, H, G, D)`` float32. ``tail (ΣB, H, capacity, D)``: the rows' decoded values, weighted by positions
-        ``width`` … ``width + tail_len − 1`` of ``weights``."""
-        n, h, g, w = weights.shape
-        flat = weights.reshape(n * h, g, w)
-        tail_flat = tail.reshape(n * h, tail.shape[2], self.head_dim) if tail_len else _EMPTY
-        if self._backend is None:
-            self._backend = compact_backend(self.device)
-        if self._backend == "cpp":
-            from spark_bench.storage.fast_logits import load_kernel
 
-            out = load_kernel().pv_segments(flat.contiguous(), self.table, self.parts, self.head_dim, tail_flat,
-                                            self.width, tail_len)
-        elif self._backend == "triton":  # query rows in chunks: a program holds (rows, block, D) in registers
-            from spark_bench.storage.triton_logits import pv_segments
+def _address(part: torch.Tensor, offset: int) -> int:
+    """Byte address of element ``offset`` of ``part`` (0 for an absent part)."""
+    return part.data_ptr() + offset * part.element_size()
 
-            values, table = self.flat()
-            parts = [pv_segments(c.contiguous(), table, values, self.head_dim, tail_flat, self.width, tail_len)
-                     for c in flat.split(MAX_GROUP, dim=1)]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        else:
-            raise RuntimeError(f"value stack on {self.device}: {self._backend[4:]}")
-        return out.view(n, h, g, self.head_dim)
+
+@dataclass(frozen=True)
+class FusedTables:
+    """The fused decode kernel's view of a stacked batch (:mod:`.triton_decode`): 64-bit addresses into the rows' own
+    tensors (nothing copied), all tables in one int64 device tensor made by one host→device copy.
+
+    * ``seg`` (one row per key segment): token offset in its head, kept channels, kept/mask/μ/sign addresses, mask
+      stride, sign bit offset, mode, the constant fill's float32 bits;
+    * ``head`` (one row per query head = row × kv-head): its first segment, the second (ThinK's dense recent tokens)
+      and where it starts, its validity bits' address (AdaKV; 0 = every token valid), its first partial-softmax slot,
+      its number of slots (chunks), its tokens;
+    * ``work`` (one row per program): a run of ``lists`` (query heads reading the same value tensor, at most
+      ``members``), the chunk's tokens, the value tensor's address, the chunk index.
+    """
+
+    packed: torch.Tensor
+    seg: torch.Tensor
+    head: torch.Tensor
+    work: torch.Tensor
+    lists: torch.Tensor
+    n_slots: int
+    n_work: int
+    members: int
+
+    @staticmethod
+    def chunk_of(n: int, block: int = 16) -> int:
+        """Tokens per work item for a value tensor of ``n`` tokens: 16 to 64 blocks (256–1024 tokens at 16), more
+        work items for longer tensors (127.5K tokens: 125 per head) — so a work item's partial softmax (``(D + 2)·4``
+        bytes per query row) and its queries stay a few per cent of the bytes it reads. It depends on the tensor
+        alone, so a row's splits (and its float32 sums) are the same in any batch."""
+        return block * max(16, min(64, n // (8 * block)))
+
+    @classmethod
+    def build(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
+              chunk: int | None = None) -> "FusedTables":
+        """``valid``: per query head, ``(bits tensor, byte offset)`` of its validity bits or None; ``members``: query
+        heads per work item (:func:`~.triton_decode.launch_shape`); ``chunk``: tokens per work item (default
+        :meth:`chunk_of` each value tensor)."""
+        import struct
+
+        n_heads = len(valid)
+        seg_rows, first, second, split = [], [-1] * n_heads, [-1] * n_heads, [1 << 62] * n_heads
+        d8 = keys.head_dim // 8
+        for (qh, out_off, n, t, kp, ko, mp, mo, ms, up, uo, sp, so, mode), fill in zip(keys._rows, keys._fills):
+            seg_rows.append([out_off, t, _address(keys.kept_parts[kp], ko),
+                             _address(keys.mask_parts[mp], mo * d8) if mp >= 0 else 0, ms,
+                             _address(keys.mu_parts[up], uo) if up >= 0 else 0,
+                             keys.sign_parts[sp].data_ptr() if sp >= 0 else 0, so if sp >= 0 else 0, mode,
+                             struct.unpack("<i", struct.pack("<f", fill))[0]])
+            if first[qh] < 0:
+                first[qh] = len(seg_rows) - 1
+            else:
+                second[qh], split[qh] = len(seg_rows) - 1, out_off
+        groups: dict = {}
+        for qh, _, n, part, offset in values._rows:
+            groups.setdefault((part, offset, n), []).append(qh)
+        tokens, chunks = [0] * n_heads, [1] * n_heads
+        for (_, _, n), m in groups.items():
+            for qh in m:
+                tokens[qh], chunks[qh] = n, chunk or cls.chunk_of(n)
+        slot_base, slots = [], 0
+        for qh in range(n_heads):
+            slot_base.append(slots)
+            slots += -(-tokens[qh] // chunks[qh])
+        work, lists = [], []
+        for (part, offset, n), heads in groups.items():
+            address, step = _address(values.parts[part], offset), chunks[heads[0]]
+            for i in range(0, len(heads), members):
+                batch = heads[i:i + members]
+                start = len(lists)
+                lists += batch
+                for k, t0 in enumerate(range(0, n, step)):
+                    work.append([start, len(batch), t0, min(t0 + step, n), address, k])
+        head_rows = []
+        for qh in range(n_heads):
+            bits = valid[qh]
+            head_rows.append([first[qh], second[qh] if second[qh] >= 0 else first[qh], split[qh],
+                              _address(bits[0], bits[1]) if bits is not None else 0, slot_base[qh],
+                              -(-tokens[qh] // chunks[qh]), tokens[qh]])
+        flat = [x for r in seg_rows for x in r] + [x for r in head_rows for x in r] + [x for r in work for x in r]
+        flat += lists
+        packed = torch.tensor(flat, dtype=torch.int64).to(keys.device)  # the one host→device copy
+        a, b, c = 10 * len(seg_rows), 7 * n_heads, 6 * len(work)
+        return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], packed[a + b + c:], slots,
+                   len(work), members)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.packed)

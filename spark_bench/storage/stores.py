@@ -9,7 +9,6 @@ prediction are measured, not estimated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -129,20 +128,8 @@ class UnstructuredStore:
         return self.recovery.fill(mask, self.kept.dtype).masked_scatter(mask, self.kept)
 
     def logits(self, queries: torch.Tensor) -> torch.Tensor:
-        """Compact kernel (:mod:`.fast_logits`) when supported, else rebuild the keys and multiply."""
-        from spark_bench.storage.fast_logits import compact_logits
-
-        return compact_logits(self, queries, self.reference_logits)
-
-    def reference_logits(self, queries: torch.Tensor) -> torch.Tensor:
+        """The reference path: rebuild the keys, then multiply (the compact kernels: :mod:`.dispatch`)."""
         return dense_logits(queries, self.materialize())
-
-    @cached_property
-    def segment_stack(self):
-        """This store alone as a segment table for the compact kernels (views of its tensors, built once)."""
-        from spark_bench.storage.segments import SegmentStack
-
-        return SegmentStack([self])
 
     def nbytes(self) -> int:
         return tensor_bytes(self.kept, self.mask_bits) + self.recovery.nbytes()

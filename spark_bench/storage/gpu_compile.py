@@ -1,0 +1,93 @@
+"""Ahead-of-time compilation of the Triton decode kernels for NVIDIA GPUs, on a machine without one.
+
+``triton.compile`` lowers a kernel specialisation to PTX for a target (``GPUTarget("cuda", 90, 32)``) on the CPU;
+triton's bundled ``ptxas`` then assembles it and reports registers and spills. :func:`specialisations` lists what the
+dispatch can launch for a model shape; :func:`compile_report` compiles one and checks the generated LLVM IR for
+32-bit address arithmetic (a ``getelementptr`` into global memory indexed by a 32-bit value computed by a multiply).
+Used by ``tests/test_gpu_compile.py`` (one specialisation per kernel and architecture) and
+``scripts/bench/compile.py`` (every shipped model's, into ``results/bench/compile.json``).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+
+ELEMENTS = {2: "bf16", 4: "fp32"}
+
+
+@dataclass(frozen=True)
+class Compiled:
+    kernel: str
+    arch: int
+    constants: dict
+    registers: int
+    spill_bytes: int
+    i32_address_multiplies: int
+    seconds: float
+
+
+def specialisations(head_dim: int, group: int, itemsize: int = 2, suffix: bool = True) -> list[tuple[str, dict]]:
+    """The kernel specialisations decoding a model with ``head_dim`` and ``group`` query heads per kv-head launches:
+    a decode step (``group`` query rows per head) and, with ``suffix``, a suffix through the cache (16 rows)."""
+    import triton
+
+    from spark_bench.storage.triton_decode import BLOCK, ROWS, launch_shape
+
+    d_pad = triton.next_power_of_2(head_dim)
+    out = []
+    for rows in sorted({group, ROWS} if suffix else {group}):
+        rpm, members = launch_shape(rows)
+        out.append(("partials", dict(D=head_dim, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK,
+                                     ESIZE=itemsize)))
+    out.append(("merge", dict(D=head_dim, D_PAD=d_pad, RM=ROWS, BLOCK_=BLOCK)))
+    return out
+
+
+def _signature(kernel: str, itemsize: int) -> dict:
+    elem = "*" + ELEMENTS[itemsize]
+    if kernel == "partials":
+        return dict(q_ptr="*fp32", aux_ptr="*fp32", seg_ptr="*i64", head_ptr="*i64", work_ptr="*i64",
+                    list_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", elem_ptr=elem, n_rows="i32")
+    return dict(q_ptr="*fp32", head_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", tail_k_ptr=elem, tail_v_ptr=elem,
+                len_ptr="*i64", out_ptr="*fp32", n_rows="i32", tail_cap="i32", q_len="i32", g0="i32")
+
+
+def i32_address_multiplies(llir: str) -> int:
+    """Global-memory ``getelementptr``s whose index is a 32-bit value produced by a ``mul`` (an offset that can
+    overflow past 2³¹ elements)."""
+    products = set(re.findall(r"(%\w+) = mul (?:nsw |nuw )*i32 ", llir))
+    count = 0
+    for index in re.findall(r"getelementptr (?:inbounds )?\w+, ptr addrspace\(1\) %\w+, i32 (%\w+)", llir):
+        count += index in products
+    return count
+
+
+def compile_report(kernel: str, constants: dict, arch: int, itemsize: int = 2) -> Compiled:
+    """Compile one specialisation for ``sm_<arch>`` (8 warps, 1 stage, as launched) and assemble it with ptxas."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from spark_bench.storage import triton_decode
+
+    fn = triton_decode._partials_kernel if kernel == "partials" else triton_decode._merge_kernel
+    start = time.perf_counter()
+    source = ASTSource(fn=fn, signature={**_signature(kernel, itemsize), **{k: "constexpr" for k in constants}},
+                       constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=triton_decode.NUM_WARPS, num_stages=1))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        report = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", ptx.name, "-o", "/dev/null"],
+                                capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return Compiled(kernel, arch, constants, registers, spills, i32_address_multiplies(compiled.asm["llir"]),
+                    round(time.perf_counter() - start, 1))

@@ -1,0 +1,250 @@
+"""Fused compact-attention decode in Triton (flash-decoding over compact stores): the CUDA path of a decode batch.
+
+One launch per layer reads every stored byte once — a SparK row's kept entries, masks, μ and sign bits, a ThinK row's
+structured keys, an eviction-only row's dense keys, and the values — rebuilds each block of keys in registers (the
+recovered entries included), scores it against the queries, and keeps an online softmax with ``weights · values``
+accumulated in float32. No ``(rows, heads, S)`` score tensor exists. Work is split over the sequence: one program per
+*work item* (a chunk of ``chunk`` tokens of one value tensor, for up to ``MEMBERS`` query heads that read it), so the
+grid is ``Σ ceil(tokens / chunk)`` over the value tensors, not segments × the longest. Each program writes its
+partial softmax ``(max, sum, Σ exp·v)`` per query row; a second small kernel merges the partials of each query head,
+adds its decoded tail (dense, causal among a suffix's own tokens) and normalises.
+
+Per stored entry ``c`` of token ``t`` (modes of :data:`~spark_bench.storage.segments.MODES`), the rebuilt key is:
+kept → ``k_tc``; pruned, mode 0 → ``f · a_c``; mode 1 (paper degenerate) → ``μ_t · a_c``; mode 2 (official) →
+``s_tc · sqrt(μ_t) · a_c``; mode 3 → every channel kept. ``a = aux_scale`` per query head (``1/q̄`` paper,
+``1/sqrt(‖q‖)`` official, ones otherwise), so ``q · k̃`` equals the C++ kernel's formula (``engine/kernels``).
+
+Rows sharing a value tensor (configs with the same eviction selection) are stacked into the rows of one program
+(``MEMBERS × ROWS_PER_MEMBER ≤ ROWS``): each value block is loaded once for all of them. The kernels read the rows'
+own tensors in place through 64-bit addresses in the tables (:class:`~spark_bench.storage.segments.FusedTables`):
+nothing is concatenated or copied. Every offset is 64-bit. ``head_dim`` is padded to a power of two inside the
+kernels (``D_PAD``), so any multiple of 8 works. Logits and softmax are float32 (``input_precision=DOT_PRECISION``).
+
+Tests run it on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported)
+and compile every specialisation for sm_80/sm_90 ahead of time (``tests/test_gpu_compile.py``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# columns of the tables (storage/segments.py builds them)
+SEG_COLS = 10   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill
+HEAD_COLS = 7   # seg_a, seg_b, split, valid_addr, slot_base, n_slots, n_tokens
+WORK_COLS = 6   # list_start, count, t_start, t_end, val_addr, chunk
+BLOCK = 16      # tokens per inner step (16 × 128 channels of rebuilt keys: no register spill at 8 warps)
+ROWS = 16       # query rows per program (the dot products' M)
+NUM_WARPS = 8   # 256 threads: 16 tokens × 128 channels of rebuilt keys fit without spilling (sm_80, sm_90)
+DOT_PRECISION: tl.constexpr = tl.constexpr("ieee")  # float32 products (FMA), as the C++ kernel
+
+
+@triton.jit
+def _pick(cols, k: tl.constexpr):
+    """Element ``k`` of a small vector (a table row held in registers)."""
+    return tl.sum(tl.where(tl.arange(0, 16) == k, cols, 0), axis=0)
+
+
+@triton.jit
+def _column(cols_a, cols_b, first, k: tl.constexpr):
+    """Column ``k`` of the segment of each token: its head's first segment where ``first``, else its second."""
+    return tl.where(first, _pick(cols_a, k), _pick(cols_b, k))
+
+
+@triton.jit
+def _keys(cols_a, cols_b, split, aux, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
+          D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The rebuilt float32 keys ``(BLOCK, D_PAD)`` of one query head at tokens ``t``; ``cols_a``/``cols_b``: its two
+    segments' table rows (equal unless ThinK: its structured tokens, then from ``split`` its dense recent ones)."""
+    first = t < split
+    out_off = _column(cols_a, cols_b, first, 0)
+    t_kept = _column(cols_a, cols_b, first, 1)
+    kept_addr = _column(cols_a, cols_b, first, 2)
+    mask_addr = _column(cols_a, cols_b, first, 3)
+    mask_stride = _column(cols_a, cols_b, first, 4)
+    mu_addr = _column(cols_a, cols_b, first, 5)
+    sign_addr = _column(cols_a, cols_b, first, 6)
+    sign_bitoff = _column(cols_a, cols_b, first, 7)
+    mode = _column(cols_a, cols_b, first, 8)
+    fill = _column(cols_a, cols_b, first, 9).to(tl.int32).to(tl.float32, bitcast=True)
+    local = t.to(tl.int64) - out_off  # the token's index inside its segment
+    cm = c < D
+    both = live[:, None] & cm[None, :]
+    dense = mode == 3
+    # the mask: D/8 bytes per token, expanded to one bit per channel (64-bit per-token bases, 32-bit offsets inside)
+    b8 = tl.arange(0, D_PAD // 8)
+    masks = (mask_addr + local * mask_stride * (D // 8)).to(tl.pointer_type(tl.uint8), bitcast=True)
+    byte = tl.load(masks[:, None] + b8[None, :], mask=(live & ~dense)[:, None] & (b8 < D // 8)[None, :],
+                   other=0).to(tl.int32)
+    bit = tl.reshape((byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1, (BLOCK_T, D_PAD))
+    bit = tl.where(dense[:, None] & cm[None, :], 1, bit)
+    rank = tl.cumsum(bit, axis=1) - bit  # kept channels before c
+    kept = bit != 0
+    rows = (kept_addr + local * t_kept * ESIZE).to(tl.pointer_type(ELEM), bitcast=True)
+    k = tl.load(rows[:, None] + rank, mask=both & kept, other=0.0).to(tl.float32)
+    stat = (mode == 1) | (mode == 2)
+    mu = tl.load((mu_addr + local * ESIZE).to(tl.pointer_type(ELEM), bitcast=True), mask=live & stat,
+                 other=0.0).to(tl.float32)
+    scale = tl.where(mode == 1, mu, tl.where(mode == 2, tl.sqrt(tl.maximum(mu, 0.0)), fill))
+    first = sign_bitoff + local * (D - t_kept)  # bit index of the token's first pruned sign
+    phase = (first & 7).to(tl.int32)
+    signs = (sign_addr + (first >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True)
+    pos = phase[:, None] + (c[None, :] - rank)  # pruned rank, from the token's first sign byte
+    signed = both & ~kept & (mode == 2)[:, None]
+    sbyte = tl.load(signs[:, None] + (pos >> 3), mask=signed, other=0).to(tl.int32)
+    sign = tl.where(signed, 2.0 * ((sbyte >> (pos & 7)) & 1).to(tl.float32) - 1.0, 1.0)
+    return tl.where(kept, k, (scale[:, None] * sign) * aux[None, :])
+
+
+@triton.jit
+def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_ptr, ml_ptr, elem_ptr,
+                     n_rows, D: tl.constexpr, D_PAD: tl.constexpr, RPM: tl.constexpr, MEMBERS: tl.constexpr,
+                     BLOCK_: tl.constexpr, ESIZE: tl.constexpr):
+    """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor."""
+    w = tl.program_id(0).to(tl.int64)
+    gb = tl.program_id(1).to(tl.int64)
+    item = work_ptr + w * 6
+    list_start = tl.load(item + 0)
+    count = tl.load(item + 1)
+    t_start = tl.load(item + 2)
+    t_end = tl.load(item + 3)
+    val_addr = tl.load(item + 4)
+    chunk = tl.load(item + 5)
+    ELEM: tl.constexpr = elem_ptr.dtype.element_ty
+    r = tl.arange(0, RPM * MEMBERS)
+    member = (r // RPM).to(tl.int64)
+    g = gb * RPM + (r % RPM)
+    row_ok = (member < count) & (g < n_rows)
+    qh_r = tl.load(list_ptr + list_start + member, mask=member < count, other=0)
+    c = tl.arange(0, D_PAD)
+    cm = c < D
+    q = tl.load(q_ptr + (qh_r * n_rows + g)[:, None] * D + c[None, :], mask=row_ok[:, None] & cm[None, :], other=0.0)
+    m_i = tl.full((RPM * MEMBERS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((RPM * MEMBERS,), tl.float32)
+    acc = tl.zeros((RPM * MEMBERS, D_PAD), tl.float32)
+    values = val_addr.to(tl.pointer_type(ELEM), bitcast=True)
+    # each member's table rows and per-channel recovery scale, loaded once per program
+    mi = tl.arange(0, MEMBERS)
+    has = mi < count
+    qh_m = tl.load(list_ptr + list_start + mi, mask=has, other=0)
+    aux_all = tl.load(aux_ptr + qh_m[:, None] * D + c[None, :], mask=has[:, None] & cm[None, :], other=0.0)
+    k16 = tl.arange(0, 16)
+    seg_a = tl.load(head_ptr + qh_m * 7, mask=has, other=0)
+    seg_b = tl.load(head_ptr + qh_m * 7 + 1, mask=has, other=0)
+    split_m = tl.load(head_ptr + qh_m * 7 + 2, mask=has, other=0)
+    valid_m = tl.load(head_ptr + qh_m * 7 + 3, mask=has, other=0)
+    segs_a = tl.load(seg_ptr + seg_a[:, None] * 10 + k16[None, :], mask=has[:, None] & (k16 < 10)[None, :], other=0)
+    segs_b = tl.load(seg_ptr + seg_b[:, None] * 10 + k16[None, :], mask=has[:, None] & (k16 < 10)[None, :], other=0)
+    for t0 in range(t_start, t_end, BLOCK_):
+        t = t0 + tl.arange(0, BLOCK_).to(tl.int64)
+        live = t < t_end
+        v = tl.load(values + t[:, None] * D + c[None, :], mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        s = tl.full((RPM * MEMBERS, BLOCK_), float("-inf"), tl.float32)
+        for m in tl.static_range(MEMBERS):
+            if m < count:
+                mine = (mi == m)[:, None]
+                aux = tl.sum(tl.where(mine, aux_all, 0.0), axis=0)
+                k = _keys(tl.sum(tl.where(mine, segs_a, 0), axis=0), tl.sum(tl.where(mine, segs_b, 0), axis=0),
+                          tl.sum(tl.where(mi == m, split_m, 0), axis=0), aux, t, live, c, ELEM, ESIZE, D, D_PAD,
+                          BLOCK_)
+                valid_addr = tl.sum(tl.where(mi == m, valid_m, 0), axis=0)
+                vbyte = tl.load((valid_addr + (t >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True),
+                                mask=live & ((t * 0 + valid_addr) != 0), other=255).to(tl.int32)
+                visible = live & (((vbyte >> (t & 7).to(tl.int32)) & 1) != 0)
+                sm = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                s = tl.where((member == m)[:, None] & visible[None, :], sm, s)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    slot = tl.load(head_ptr + qh_r * 7 + 4, mask=row_ok, other=0) + chunk
+    at = slot * n_rows + g
+    tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
+    tl.store(ml_ptr + at * 2, m_i, mask=row_ok)
+    tl.store(ml_ptr + at * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, len_ptr, out_ptr, n_rows, tail_cap,
+                  q_len, g0, D: tl.constexpr, D_PAD: tl.constexpr, RM: tl.constexpr, BLOCK_: tl.constexpr):
+    """Query head ``qh``'s rows ``gb·RM …``: merge its prompt partials, attend over its decoded tail, normalise."""
+    qh = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64) * RM + tl.arange(0, RM)
+    ok = g < n_rows
+    c = tl.arange(0, D_PAD)
+    cm = c < D
+    both = ok[:, None] & cm[None, :]
+    slot_base = tl.load(head_ptr + qh * 7 + 4)
+    n_slots = tl.load(head_ptr + qh * 7 + 5)
+    m_i = tl.full((RM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((RM,), tl.float32)
+    acc = tl.zeros((RM, D_PAD), tl.float32)
+    for k in range(0, n_slots):
+        at = (slot_base + k) * n_rows + g
+        pm = tl.load(ml_ptr + at * 2, mask=ok, other=float("-inf"))
+        pl = tl.load(ml_ptr + at * 2 + 1, mask=ok, other=0.0)
+        pa = tl.load(acc_ptr + at[:, None] * D + c[None, :], mask=both, other=0.0)
+        m_new = tl.maximum(m_i, pm)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a_old = tl.exp(m_i - m_safe)
+        a_new = tl.exp(pm - m_safe)
+        l_i = l_i * a_old + pl * a_new
+        acc = acc * a_old[:, None] + pa * a_new[:, None]
+        m_i = m_new
+    tail_len = tl.load(len_ptr)
+    q = tl.load(q_ptr + (qh * n_rows + g)[:, None] * D + c[None, :], mask=both, other=0.0)
+    last = tail_len - q_len + (g0 + g) % q_len  # the newest tail token each query row sees (causal suffix)
+    for t0 in range(0, tail_len, BLOCK_):
+        t = t0 + tl.arange(0, BLOCK_).to(tl.int64)
+        live = t < tail_len
+        at = (qh * tail_cap + t)[:, None] * D + c[None, :]
+        tk = tl.load(tail_k_ptr + at, mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        tv = tl.load(tail_v_ptr + at, mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(tk), input_precision=DOT_PRECISION)
+        s = tl.where(live[None, :] & (t[None, :] <= last[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, tv, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (qh * n_rows + g)[:, None] * D + c[None, :], out, mask=both)
+
+
+def launch_shape(rows_per_head: int) -> tuple[int, int]:
+    """``(RPM, MEMBERS)``: query rows per member in one program (a power of two ≤ :data:`ROWS`) and how many query
+    heads sharing a value tensor one program serves (``RPM · MEMBERS = ROWS``)."""
+    rpm = min(triton.next_power_of_2(max(rows_per_head, 1)), ROWS)
+    return rpm, ROWS // rpm
+
+
+def fused_decode(q, aux_scale, tables, elem, tail_keys, tail_values, tail_len, q_len: int, g0: int, out):
+    """``q (QH, n, D)`` float32 (query rows ``g0 … g0 + n − 1`` of each query head) → ``out (QH, n, D)`` float32.
+
+    ``tables``: the :class:`~spark_bench.storage.segments.FusedTables` of the batch (its ``members`` must be
+    :func:`launch_shape`'s for ``n``); ``elem``: any tensor of the stores' dtype (the element type of the addresses);
+    ``tail_keys``/``tail_values`` ``(QH, capacity, D)`` and ``tail_len`` (a 1-element int64 device tensor: the filled
+    tail length, so the launch's arguments are the same at every step). The caller runs this under the tensors'
+    device (:func:`~spark_bench.storage.dispatch.on_device`)."""
+    import torch
+
+    heads, n, d = q.shape
+    rpm, members = launch_shape(n)
+    if tables.members != members:
+        raise ValueError(f"tables built for {tables.members} heads per work item, the launch needs {members}")
+    d_pad = triton.next_power_of_2(d)
+    acc = torch.empty(tables.n_slots, n, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(tables.n_slots, n, 2, dtype=torch.float32, device=q.device)
+    if tables.n_work:
+        _partials_kernel[(tables.n_work, triton.cdiv(n, rpm))](
+            q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, n, D=d, D_PAD=d_pad,
+            RPM=rpm, MEMBERS=members, BLOCK_=BLOCK, ESIZE=elem.element_size(), num_warps=NUM_WARPS, num_stages=1)
+    _merge_kernel[(heads, triton.cdiv(n, ROWS))](
+        q, tables.head, acc, ml, tail_keys, tail_values, tail_len, out, n, tail_keys.shape[1], q_len, g0, D=d,
+        D_PAD=d_pad, RM=ROWS, BLOCK_=BLOCK, num_warps=NUM_WARPS, num_stages=1)
+    return out
