@@ -10,11 +10,14 @@ Used by ``tests/test_gpu_compile.py`` (one specialisation per kernel and archite
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 ELEMENTS = {2: "bf16", 4: "fp32"}
 
@@ -67,7 +70,15 @@ def i32_address_multiplies(llir: str) -> int:
 
 
 def compile_report(kernel: str, constants: dict, arch: int, itemsize: int = 2) -> Compiled:
-    """Compile one specialisation for ``sm_<arch>`` (8 warps, 1 stage, as launched) and assemble it with ptxas."""
+    """Compile one specialisation for ``sm_<arch>`` (8 warps, 1 stage, as launched) and assemble it with ptxas. In a
+    process running Triton's interpreter (``TRITON_INTERPRET=1``, the tests) kernels cannot be compiled, so this runs
+    in a child process without it."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        args = json.dumps([kernel, constants, arch, itemsize])
+        out = subprocess.run([sys.executable, "-m", "spark_bench.storage.gpu_compile", args], env=env,
+                             capture_output=True, text=True, check=True).stdout
+        return Compiled(**json.loads(out.strip().splitlines()[-1]))
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -91,3 +102,7 @@ def compile_report(kernel: str, constants: dict, arch: int, itemsize: int = 2) -
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     return Compiled(kernel, arch, constants, registers, spills, i32_address_multiplies(compiled.asm["llir"]),
                     round(time.perf_counter() - start, 1))
+
+
+if __name__ == "__main__":  # one specialisation, as JSON (compile_report's child process)
+    print(json.dumps(asdict(compile_report(*json.loads(sys.argv[1])))))
