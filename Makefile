@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 
 PAPER_TARGETS = table1 table2 tab_full_llama3-8b tab_full_llama3.1-8b tab_full_llama3.1-70b tab_full_qwen3-8b \
 	tab_full_qwen3-32b tab_app_full_ruler ablation-dist ablation-variants kv-joint figure5 figure2
-.PHONY: demo test test-gpu bench clean paper $(PAPER_TARGETS) figure2-longbench paper-shape protocols
+.PHONY: demo test test-gpu gpu-check bench clean paper $(PAPER_TARGETS) figure2-longbench paper-shape protocols
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,12 +28,18 @@ test: $(STAMP)
 # On a CUDA machine: the model-level tests (method matrix, batched decoding, engine, compact attention) with the tiny
 # model and its caches on the GPU (tests/conftest.py reads SPARK_BENCH_TEST_DEVICE)
 GPU_TESTS = tests/test_methods.py tests/test_decode_batch.py tests/test_engine.py tests/test_fast_attention.py tests/test_scope.py \
-	tests/test_stacking.py tests/test_library.py tests/test_analysis.py
+	tests/test_stacking.py tests/test_library.py tests/test_analysis.py tests/test_gpu_compile.py
 test-gpu: $(STAMP)
 	SPARK_BENCH_TEST_DEVICE=cuda $(BIN)/python -m pytest $(GPU_TESTS)
 
+# The first command on a new GPU machine: the GPU tests (the fused kernel compiled for the device, the model-level
+# tests on CUDA), then the GPU figures → results/bench/gpu/ (scripts/gpu/check.py)
+gpu-check: test-gpu
+	$(BIN)/python scripts/gpu/check.py --out results/bench/gpu
+
 # Speed / memory figures → results/bench/*.json + results/bench/summary.md (never timed in unit tests)
 bench: $(STAMP)
+	$(BIN)/python scripts/bench/compile.py
 	$(BIN)/python scripts/bench/bytes.py
 	$(BIN)/python scripts/bench/attention.py
 	$(BIN)/spark-bench-memory model=llama3.1-8b sweep=memory memory.seq_len=8192 memory.out=results/bench/memory.json
