@@ -308,11 +308,7 @@ class BatchedLayer(CacheLayerMixin):
     def _group_rows(self) -> None:
         """Per-row path: rows whose value store is the same dense tensor (configs sharing an eviction selection)
         form a group: their prompt scores are stacked and ``weights @ values`` runs once."""
-        groups: dict = {}
-        for i in self.loose:
-            store = self.rows[i].value_store
-            groups.setdefault(id(store.data) if isinstance(store, DenseStore) else ("row", i), []).append(i)
-        self.groups = list(groups.values())
+        self.groups = _groups_of(self.rows, self.loose)
 
     def keep(self, rows: list[int]) -> None:
         """Drop the rows not in ``rows`` (they stopped generating): the tails are re-indexed, the tables rebuilt."""
