@@ -419,7 +419,8 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
             predictions = run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True),
                                     payload=payload, progress=bool(cfg.get("progress", True)) and sys.stderr.isatty(),
                                     decode_batch=decode_batch, decode_samples=cfg.get("decode_samples", 1),
-                                    decode_stack=cfg.get("decode_stack", True))
+                                    decode_stack=cfg.get("decode_stack", True),
+                                    decode_graph=cfg.get("decode_graph", True))
             (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
             if not complete:
                 memory.write_report(out_dir / "memory.json", prediction, predictions, loaded)

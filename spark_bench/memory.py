@@ -141,13 +141,21 @@ def _synthetic_layer(cfg: MethodConfig, arch: Arch, dtype: torch.dtype, seq: int
     keys, values = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
     window = torch.randn(1, arch.num_heads, min(cfg.observation_window, seq), arch.head_dim, generator=g).to(dtype)
     prefill = Prefill((LayerPrefill(keys, values, window),), seq, torch.zeros(1), 0.0)
-    no_eviction = dataclasses.replace(cfg, name=cfg.channel_name or "full")
-    return Pipeline.from_config(no_eviction).build_cache(prefill)[0].layers[0]
+    return Pipeline.from_config(cfg).build_cache(prefill)[0].layers[0]  # cfg: the channel method alone
+
+
+def store_bytes(cfg: MethodConfig, arch: Arch, dtype: str) -> StoreBytes:
+    """Key and value bytes per stored token and per kv-head (and the constants), measured on the real stores of
+    ``cfg``'s channel method (the eviction's own options change which tokens are stored, not their bytes: configs
+    that differ only there share one measurement)."""
+    channel = dataclasses.replace(cfg, name=cfg.channel_name or "full", **{
+        k: MethodConfig.__dataclass_fields__[k].default
+        for k in ("budget", "budget_rounding", "kernel_size", "pooling", "compress_scope")})
+    return _store_bytes(channel, arch, dtype)
 
 
 @lru_cache(maxsize=512)
-def store_bytes(cfg: MethodConfig, arch: Arch, dtype: str) -> StoreBytes:
-    """Key and value bytes per stored token and per kv-head (and the constants), measured on the real stores."""
+def _store_bytes(cfg: MethodConfig, arch: Arch, dtype: str) -> StoreBytes:
     from spark_bench.engine.cache import stackable
     from spark_bench.storage.dispatch import compact_backend
 
@@ -238,7 +246,7 @@ def step_work(arch: Arch, rows: int, prompt: int, capacity: int, itemsize: int, 
               suffix: int = 0) -> tuple[int, int]:
     """Bytes of one layer's decode-step temporaries for ``rows`` rows, ``(CPU, CUDA)``.
 
-    Both: float32 queries and outputs; the per-row path of ``loose`` rows (their keys rebuilt in the model dtype,
+    Both: float32 queries and outputs (and the outputs cast to the model dtype); the per-row path of ``loose`` rows (their keys rebuilt in the model dtype,
     then as float32 for the scores, their values as float32); the decoded tail's float32 copy. CPU (the C++ kernels):
     the padded float32 scores, their softmax and the prompt/tail concatenation of every row, ``3·R·H_q·(S + cap)·4``,
     and AdaKV's unpacked validity (one byte per entry). CUDA (the fused kernel): its partial softmax, ``(D + 2)·4``
@@ -247,7 +255,7 @@ def step_work(arch: Arch, rows: int, prompt: int, capacity: int, itemsize: int, 
     :data:`STEP_WORK_BOUND`."""
     h, hq, d = arch.num_kv_heads, arch.num_heads, arch.head_dim
     q_rows = max(1, suffix)
-    common = 2 * rows * hq * q_rows * d * 4 + loose * h * prompt * d * (itemsize + 8) \
+    common = rows * hq * q_rows * d * (8 + (itemsize if itemsize < 4 else 0)) + loose * h * prompt * d * (itemsize + 8) \
         + 2 * rows * h * capacity * d * 4 * (loose > 0)
     cpu = min(3 * rows * hq * q_rows * (prompt + capacity) * 4,
               max(STEP_WORK_BOUND, 3 * rows * hq * (prompt + capacity) * 4))

@@ -88,7 +88,7 @@ POSITIVE_INT = Option("int", 1)
 
 # what the command line sets besides the method options (``conf/config.yaml``, ``conf/benchmark/*.yaml``)
 RUN_OPTIONS = {
-    "dry_run": Option("bool"), "progress": Option("bool"), "decode_stack": Option("bool"),
+    "dry_run": Option("bool"), "progress": Option("bool"), "decode_stack": Option("bool"), "decode_graph": Option("bool"),
     "decode_batch": Option("int", 1, nullable=True, null="all rows of a decode group together"),
     "decode_samples": POSITIVE_INT,
     "output_root": Option("str", nonempty=True), "run": Option("str", nonempty=True),

@@ -1,25 +1,23 @@
 """What a run costs, said before a GPU is booked (``dry_run=true``): samples, configs, decode forwards, KV memory per
-sample and an estimate of hours, from a cost model whose constants were measured by ``make bench``.
+sample and an estimate of GPU hours per device, every assumption printed beside its number.
 
 The work of a run (``runner.run_samples``): one prefill per sample, then every method config of the sample decodes
-in one batch (one model forward per step, at most the task's ``max_new_tokens`` steps). So
+in one batch (one model forward per step, at most the task's ``max_new_tokens`` steps). The estimate is a roofline
+against each device's published peaks at a stated utilisation (:data:`UTILISATION`):
 
 * prefill: ``Σ_samples (2·P·S + 2·L·S²·H·D)`` FLOPs (:func:`prefill_flops`: ``P`` parameters; ``S`` the prompt,
   the longest a task allows, a bound; the second term is causal attention, ``L`` layers of ``H`` query heads of
-  ``D`` channels, which dominates at long prompts);
-* decode: at most ``Σ_samples max_new_tokens`` forwards; a forward over compressed caches dispatches a number of
-  operations that does not depend on the number of configs (stacked rows, ``scripts/bench/ops.py``), and a small
-  decode batch on a GPU is bound by what it dispatches: step time = ops per step × time per op, the ops scaled by
-  the model's layer count from the measured SmolLM2 count (30 layers);
-* memory: the prefill's dense KV at ``S`` plus every config's compressed cache of one sample, tensors the configs
-  share counted once (:func:`spark_bench.memory.predict_run`, the real stores' bytes; the run's peak is printed
-  with it).
+  ``D`` channels, which dominates at long prompts) at ``UTILISATION["prefill"]`` of the dense bf16 peak;
+* decode: at most ``Σ_samples max_new_tokens`` forwards; a step reads the weights and every config's compressed
+  cache once (the stacked batch; shared tensors once, :func:`spark_bench.memory.predict_run`), at
+  ``UTILISATION["decode"]`` of the memory bandwidth — or, when larger, what the step dispatches (operations per step,
+  ``scripts/bench/ops.py``, scaled by the layer count, × the time per operation measured on an H100:
+  ``results/bench/decode_h100.json``);
+* memory: the prefill's dense KV at ``S`` plus every config's compressed cache of one sample.
 
-The constants (:data:`DEVICES`) are copies of measured figures, each with the file and field it came from; a test
-checks them against the tracked files. They are bounds and estimates, not promises: the H100 figures were measured
-on a 135M-parameter model, so the prefill throughput is far below what an 8B model reaches (an upper bound on
-prefill hours), and a larger model's step may be bound by reading its weights (``P·bytes / bandwidth``, the
-bandwidth a spec-sheet figure, used only when it exceeds the dispatch bound).
+Once ``make gpu-check`` has run on a device, its measured figures (``results/bench/gpu/check.json``) are printed
+beside the estimate. The utilisations are assumptions (typical of bf16 flash-attention prefill and of a
+bandwidth-bound decode step), not measurements; :func:`estimate` prints them with every figure.
 """
 
 from __future__ import annotations
@@ -49,37 +47,27 @@ def prefill_flops(num_params: float, num_layers: int, num_heads: int, head_dim: 
     return 2 * num_params * tokens + 2 * num_layers * tokens ** 2 * num_heads * head_dim
 
 
-SMOLLM2_PREFILL = prefill_flops(134.5e6, SMOLLM2_LAYERS, 9, 64, 1912)  # one 1912-token prompt of the H100 bench
-
-
 @dataclass(frozen=True)
 class Device:
-    """Measured cost constants of one device (``source`` names where each came from)."""
+    """A device's published peaks, and the time per dispatched operation where one was measured."""
 
     name: str
-    us_per_op: float            # time per dispatched operation in a small decode batch (launch / dispatch bound)
-    ops_per_layer_step: float   # operations a stacked decode step dispatches, per decoder layer
-    prefill_flops: float        # effective prefill FLOP/s
-    bandwidth: float | None     # bytes/s of device memory (weights read per step), if known
-    source: str
+    peak_flops: float         # dense bf16 tensor-core FLOP/s (spec sheet)
+    bandwidth: float          # device memory bytes/s (spec sheet)
+    us_per_op: float | None   # measured time per dispatched operation in a small decode batch (None: not measured)
 
+
+UTILISATION = {"prefill": 0.40, "decode": 0.70}  # assumed fractions of the peaks (printed with every estimate)
+OPS_PER_LAYER_STEP = 1990.25 / SMOLLM2_LAYERS  # ops.json fourteen.stacked.ops_per_step (SmolLM2, 30 layers)
+H100_US_PER_OP = 1000 * 23.3 / 1677  # decode_h100.json step_fourteen.dense_dynamic_cache_step_ms / ops.json dense
 
 DEVICES = {
-    "h100": Device(
-        "NVIDIA H100 80GB (measured on a 135M model, fp32)",
-        us_per_op=1000 * 23.3 / 1677,  # decode_h100.json step_fourteen.dense_dynamic_cache_step_ms / ops.json dense
-        ops_per_layer_step=1990.25 / SMOLLM2_LAYERS,  # ops.json fourteen.stacked.ops_per_step (SmolLM2, 30 layers)
-        prefill_flops=SMOLLM2_PREFILL * 8 / 0.24,  # decode_h100.json fourteen.batched.prefill_s: 8 × 1912 tokens
-        bandwidth=3.35e12,  # H100 SXM HBM3 spec sheet (not measured here)
-        source="results/bench/decode_h100.json (H100) and results/bench/ops.json (operation counts)"),
-    "cpu": Device(
-        "this 2-core CPU (SmolLM2-135M, fp32)",
-        us_per_op=1000 * 54.59 / 1677,  # decode.json weights_step_ms["1"] (one-token cache) / ops.json dense
-        ops_per_layer_step=1990.25 / SMOLLM2_LAYERS,
-        prefill_flops=125e9,  # README/decode.json: this CPU's matrix multiplies at 125 GFLOP/s (the prefill's linears)
-        bandwidth=4 * 134.5e6 / 0.05459,  # decode.json weights_step_ms["1"]: SmolLM2's fp32 weights read per step
-        source="results/bench/decode.json (this CPU) and results/bench/ops.json"),
+    "h100": Device("NVIDIA H100 SXM", 989e12, 3.35e12, H100_US_PER_OP),
+    "h200": Device("NVIDIA H200", 989e12, 4.8e12, H100_US_PER_OP),  # the H100's compute; dispatch as measured there
+    "a100": Device("NVIDIA A100 80GB SXM", 312e12, 2.039e12, None),
 }
+SOURCES = ("peaks: NVIDIA's data sheets; time per operation: results/bench/decode_h100.json (an H100, 135M model) "
+           "and results/bench/ops.json")
 
 
 @dataclass(frozen=True)
@@ -154,39 +142,73 @@ class Cost:
     decode_forwards: int
     kv_gib_per_sample: float
     weights_gib: float
-    hours: dict[str, tuple[float, float]]  # device → (prefill hours, decode hours)
+    prefill_tflop: float                    # per sample
+    step_gb: float                          # bytes a decode step reads (weights + every config's cache)
+    hours: dict[str, tuple[float, float]]   # device → (prefill hours, decode hours)
+    bound: dict[str, str]                   # device → what bounds its decode step
+    measured: list[str]                     # make gpu-check's figures, where it has run
 
     def lines(self) -> list[str]:
         out = [f"plan: {self.samples} samples × {self.configs} configs; prompts ≤ {self.prompt_tokens} tokens; "
                f"≤ {self.decode_forwards} decode forwards (every config of a sample in one batch)",
                f"plan: KV per sample ≤ {self.kv_gib_per_sample:.2f} GiB (prefill + every config's compressed cache, "
-               f"shared tensors once), "
-               f"weights {self.weights_gib:.1f} GiB"]
+               f"shared tensors once), weights {self.weights_gib:.1f} GiB",
+               f"plan: assumed: prefill at {UTILISATION['prefill']:.0%} of the dense bf16 peak "
+               f"({self.prefill_tflop:.1f} TFLOP per sample), decode steps reading {self.step_gb:.2f} GB at "
+               f"{UTILISATION['decode']:.0%} of the memory bandwidth or dispatch-bound, whichever is slower "
+               f"({SOURCES})"]
         for key, (prefill, decode) in self.hours.items():
             device = DEVICES[key]
-            out.append(f"plan: ≈ {prefill + decode:.1f} h on {device.name}: prefill ≤ {prefill:.1f} h, decode "
-                       f"≈ {decode:.1f} h (constants: {device.source})")
+            out.append(f"plan: ≤ {prefill + decode:.0f} GPU-hours on one {device.name} "
+                       f"({device.peak_flops / 1e12:.0f} TFLOP/s, {device.bandwidth / 1e12:.2f} TB/s): "
+                       f"prefill ≤ {prefill:.1f} h (every prompt at the bound), decode ≤ {decode:.1f} h "
+                       f"({self.bound[key]})")
+        out += [f"plan: measured by make gpu-check: {line}" for line in self.measured] or [
+            "plan: no make gpu-check figures yet (results/bench/gpu/check.json): these are estimates"]
         return out
 
 
-def estimate(model: ModelConfig, configs: list[MethodConfig], work: list[TaskWork], prompt_tokens: int) -> Cost:
-    """The cost of running ``configs`` on ``work`` with prompts of at most ``prompt_tokens``."""
+def estimate(model: ModelConfig, configs: list[MethodConfig], work: list[TaskWork], prompt_tokens: int,
+             root: Path | None = None) -> Cost:
+    """The cost of running ``configs`` on ``work`` with prompts of at most ``prompt_tokens``; ``root``: where to look
+    for ``results/bench/gpu/check.json`` (the measured figures printed beside the estimate)."""
     arch = Arch.of(model)
     samples = sum(w.samples for w in work)
     forwards = sum(w.samples * w.new_tokens for w in work)
     gen = max((w.new_tokens for w in work), default=0)
     one = predict_run(model, configs, prompt_tokens, gen, None, 1).devices[0]  # every config's rows in one batch
     kv = one.prefill_kv + one.caches  # shared tensors once, as the pipeline shares them
-    weights = one.weights
-    hours = {}
+    step_bytes = one.weights + one.caches
+    flops = prefill_flops(arch.num_params, arch.num_layers, arch.num_heads, arch.head_dim, prompt_tokens)
+    hours, bound = {}, {}
     for key, device in DEVICES.items():
-        flops = prefill_flops(arch.num_params, arch.num_layers, arch.num_heads, arch.head_dim, prompt_tokens)
-        prefill_s = samples * flops / device.prefill_flops
-        step_s = device.us_per_op * 1e-6 * device.ops_per_layer_step * arch.num_layers
-        if device.bandwidth:
-            step_s = max(step_s, weights / device.bandwidth)
+        prefill_s = samples * flops / (device.peak_flops * UTILISATION["prefill"])
+        read_s = step_bytes / (device.bandwidth * UTILISATION["decode"])
+        dispatch_s = (device.us_per_op or 0.0) * 1e-6 * OPS_PER_LAYER_STEP * arch.num_layers
+        step_s = max(read_s, dispatch_s)
+        bound[key] = (f"{step_s * 1e3:.1f} ms a step, " +
+                      ("memory-bound" if read_s >= dispatch_s else "dispatch-bound, as measured") +
+                      ("" if device.us_per_op else "; dispatch not measured on it"))
         hours[key] = (prefill_s / 3600, forwards * step_s / 3600)
-    return Cost(samples, len(configs), prompt_tokens, forwards, kv / GIB, weights / GIB, hours)
+    return Cost(samples, len(configs), prompt_tokens, forwards, kv / GIB, one.weights / GIB, flops / 1e12,
+                step_bytes / 1e9, hours, bound, gpu_check_lines(root or Path.cwd()))
+
+
+def gpu_check_lines(root: Path) -> list[str]:
+    """The figures of ``make gpu-check`` (``scripts/gpu/check.py``) that calibrate the plan, where it has run."""
+    path = root / "results" / "bench" / "gpu" / "check.json"
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return [f"{path} unreadable ({exc})"]
+    out = []
+    for row in data.get("calibration", []):
+        out.append(f"{data.get('device', '?')}: {row['model']} at {row['tokens']} tokens: prefill "
+                   f"{row['prefill_tflops']:.0f} TFLOP/s, decode step {row['step_ms']:.1f} ms "
+                   f"({row['rows']} rows)")
+    return out
 
 
 def measured_sources(root: Path) -> dict:

@@ -65,7 +65,8 @@ def _build_row(lm: LoadedModel, sample: Sample, pipeline: Pipeline, prefill: Pre
 
 
 def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
-                decode_batch: int | None = None, decode_stack: bool = True) -> list[list[Prediction]]:
+                decode_batch: int | None = None, decode_stack: bool = True,
+                decode_graph: bool = True) -> list[list[Prediction]]:
     """Prefill each sample once, compress it under each of its pipelines and decode all the compressed caches
     together — ``decode_batch`` rows per batch (None: every row of ``work`` in one batch; 1: one at a time) — then
     score. One list of predictions per sample, in pipeline order; the tokens do not depend on the batching.
@@ -97,7 +98,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                 if k == last[i]:
                     del prefills[i], selections[i]
         return_freed_memory()  # what compression freed, before decoding allocates its tail
-        decode_rows(lm.model, rows, stack=decode_stack, release=True)
+        decode_rows(lm.model, rows, stack=decode_stack, release=True, graph=decode_graph)
         peak = peak_memory(lm.devices)
         for (i, pipeline), (compress_s, kv_bytes, key_ratio), row in zip(chunk, built, rows):
             sample, (length, dense_bytes, prefill_s) = work[i][0], facts[i]
@@ -122,7 +123,8 @@ def default_payload(lm: LoadedModel, samples: list[Sample], configs: list[Method
 
 def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig], out_dir: Path,
               log=print, payload: dict | None = None, progress: bool = False,
-              decode_batch: int | None = None, decode_samples: int = 1, decode_stack: bool = True) -> pd.DataFrame:
+              decode_batch: int | None = None, decode_samples: int = 1, decode_stack: bool = True,
+              decode_graph: bool = True) -> pd.DataFrame:
     """Run every config on every sample into ``out_dir`` (``predictions.jsonl``, ``timings.jsonl``, ``scores.csv``,
     ``table.md``). Finished (sample, config) pairs already in ``out_dir`` are kept, not recomputed.
     ``decode_samples`` samples at a time decode their method configs together, ``decode_batch`` rows per batch
@@ -148,7 +150,7 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
                disable=not progress, dynamic_ncols=True)
     new_tokens, decode_seconds = 0, 0.0
     for group in (work[i:i + decode_samples] for i in range(0, len(work), decode_samples)):
-        for sample_records in run_samples(lm, group, decode_batch, decode_stack):
+        for sample_records in run_samples(lm, group, decode_batch, decode_stack, decode_graph):
             records = [p.__dict__ for p in sample_records]
             results.append(records)  # one durable append per sample
             for r in records:

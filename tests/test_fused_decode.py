@@ -176,18 +176,20 @@ def test_the_kernel_loads_about_what_is_stored(triton_on_cpu):
 def test_a_step_makes_no_host_transfer_and_keeps_its_shapes(triton_on_cpu, tiny_lm, tiny_prefill):
     """Inside a step of the fused path: no tensor made from host data, no ``.item``/``.tolist``/``.cpu`` (the
     dispatch mode sees every aten call), and the kernels' arguments have the same shapes at every step (the tail
-    length lives in a device tensor)."""
+    length lives in a device tensor). Rows stopping cost one host→device copy for the layer (its indices and
+    tables together), then steps are free of transfers again. A loose (per-row) row rides along."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    batch = _batch_layer(tiny_prefill, CONFIGS[:3])
+    batch = _batch_layer(tiny_prefill, CONFIGS[:3] + CONFIGS[4:] + CONFIGS[:1])  # two rows share values
     layer = batch.layers[0]
-    r, d = 3, 16
+    r, d = 5, 16
     seen, shapes = [], []
 
     class Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = str(func)
-            if any(k in name for k in ("_local_scalar_dense", "lift_fresh", "_to_copy")):
+            moved = "_to_copy" in name and kwargs and kwargs.get("device") not in (None, args[0].device)
+            if moved or any(k in name for k in ("_local_scalar_dense", "lift_fresh")):
                 seen.append(name)
             return func(*args, **(kwargs or {}))
 
@@ -202,3 +204,140 @@ def test_a_step_makes_no_host_transfer_and_keeps_its_shapes(triton_on_cpu, tiny_
                        tuple(t.packed.shape for t in unit["tables"].values())))
     assert seen == []
     assert len(set(shapes[1:])) == 1
+    with Watch():
+        layer.keep([0, 2, 3])
+    assert seen == ["aten.lift_fresh.default"]  # the layer's one copy (tail index, row order, tables)
+    seen.clear()
+    for _ in range(2):
+        with Watch():
+            layer.update(keys[:3], keys[:3])
+            layer.attend(query[:3], 0.25)
+    assert seen == []
+
+
+class _LiveBytes:
+    """Live tensor storage made inside the block, tracked through a ``TorchDispatchMode``: every storage an op
+    creates (not an alias of its inputs) is counted until it is freed (a finalizer on the storage, whose Python object torch keeps while the
+    storage lives), with the peak."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self.known: set[int] = set()
+
+    def _free(self, key: int, n: int) -> None:
+        self.known.discard(key)
+        self.live -= n
+
+    def mode(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor)}  # views and in-place results alias an input
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                        storage = t.untyped_storage()
+                        key = storage.data_ptr()
+                        if key and key not in inputs and key not in tracker.known and storage.nbytes():
+                            tracker.known.add(key)
+                            tracker.live += storage.nbytes()
+                            tracker.peak = max(tracker.peak, tracker.live)
+                            weakref.finalize(storage, tracker._free, key, storage.nbytes())
+                return out
+
+        return Mode()
+
+
+def _unique_bytes(caches) -> int:
+    seen, total = set(), 0
+    for cache in caches:
+        for layer in cache.layers:
+            for store in (layer.key_store, layer.value_store):
+                if id(store) not in seen:
+                    seen.add(id(store))
+                    total += store.nbytes()
+    return total
+
+
+def _planned_step(batch, q_rows: int) -> int:
+    from conftest import model_config
+
+    from spark_bench.memory import Arch, step_work
+
+    layer = batch.layers[0]
+    ada = sum(row.valid_bits is not None for row in layer.rows)
+    arch = Arch.of(model_config("tiny-llama"))
+    return step_work(arch, len(layer.rows), layer.s_max, layer.tail_keys.shape[2], layer.tail_keys.element_size(),
+                     len(layer.loose), ada, q_rows if q_rows > 1 else 0)[1]
+
+
+@pytest.mark.parametrize("suffix", [1, 8], ids=["step", "suffix"])
+def test_the_cuda_path_holds_what_the_planner_says(triton_on_cpu, monkeypatch, tiny_lm, suffix):
+    """Live storage of the CUDA code path (the Triton backend forced onto CPU tensors, the kernels interpreted):
+    building the batch from the rows' caches adds ≤ 5% of their compressed bytes besides the tail (the kernel reads
+    the rows' own tensors: the data is held once); one layer's step peaks at ≤ 1.1× the planner's step work
+    (``memory.step_work``), and a suffix of query tokens over a long prompt too, its chunks bounded by the work
+    bound (shrunk here so that the tiny model's suffix is chunked as an 8B model's would be)."""
+    from spark_bench.engine.prefill import QueryStatsSpec, run_prefill
+    from spark_bench.memory import STEP_WORK_BOUND
+
+    from spark_bench.storage import triton_decode
+
+    launched = []
+
+    class Skipped:  # a kernel allocates nothing (it writes buffers made before it): its launch is recorded, not run
+        def __init__(self, name):  # (the interpreter's own argument copies are not the CUDA path's bytes, and
+            self.name = name       # the kernels' arithmetic is tested elsewhere)
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((self.name, args[9] if self.name == "partials" else 0))
+
+    monkeypatch.setattr(triton_decode, "_partials_kernel", Skipped("partials"))
+    monkeypatch.setattr(triton_decode, "_merge_kernel", Skipped("merge"))
+    prompt = 160 if suffix == 1 else 1024
+    ids = torch.randint(100, 5000, (1, prompt), generator=torch.Generator().manual_seed(5))
+    prefill = run_prefill(tiny_lm.model, ids, window=32, query_stats=QueryStatsSpec())
+    budget = 64 if suffix == 1 else 384
+    configs = [MethodConfig(name="full"), MethodConfig(name="snapkv", budget=budget),
+               MethodConfig(name="snapkv+think", budget=budget, ratio=0.5),
+               MethodConfig(name="snapkv+spark", budget=budget, ratio=0.8),
+               MethodConfig(name="adasnapkv+spark", budget=budget, ratio=0.5)]
+    selections = {}
+    caches = [Pipeline.from_config(c).build_cache(prefill, selections=selections)[0] for c in configs]
+    del prefill
+    rows_bytes = _unique_bytes(caches)
+    tracker = _LiveBytes()
+    with tracker.mode():
+        batch = cache_module.BatchedCache(caches, capacity=2 * suffix, consume=True)
+    tail = sum(2 * layer.tail_keys.numel() * layer.tail_keys.element_size() for layer in batch.layers)
+    assert tracker.live - tail <= 0.05 * rows_bytes, (tracker.live, tail, rows_bytes)
+    if suffix > 1:
+        bound = 16 * 2 ** 10
+        monkeypatch.setattr(cache_module.BatchedLayer, "work_bytes", bound)
+        monkeypatch.setattr("spark_bench.memory.STEP_WORK_BOUND", bound)
+    layer = batch.layers[0]
+    r, h, d = len(configs), layer.tail_keys.shape[1], layer.tail_keys.shape[-1]
+    g = torch.Generator().manual_seed(6)
+    keys = torch.randn(r, h, suffix, d, generator=g)
+    query = torch.randn(r, 2 * h, suffix, d, generator=g)
+    layer.update(keys, keys)
+    layer.attend(query, 0.25)  # the first call builds the kernel tables (held for the batch, not step work)
+    layer.length_t -= suffix  # the same call again, measured
+    layer.length -= suffix
+    tracker = _LiveBytes()
+    with tracker.mode():
+        layer.update(keys, keys)
+        out = layer.attend(query, 0.25)
+    del out
+    planned = _planned_step(batch, suffix)
+    chunks = [n for name, n in launched if name == "partials"][-4:]
+    assert (suffix == 1) == (len(set(chunks)) == 1 and chunks[0] == 2 * suffix), chunks  # the suffix went in chunks
+    assert tracker.peak <= 1.1 * planned, (tracker.peak, planned)
+    assert STEP_WORK_BOUND == 256 * 2 ** 20

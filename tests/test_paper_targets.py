@@ -127,21 +127,47 @@ def test_experiment_settings(experiment):
 
 
 def test_cost_constants_are_the_measured_figures():
-    """Each constant of the cost model equals the tracked figure it cites (make bench updates them together)."""
-    from spark_bench.plan import DEVICES, SMOLLM2_LAYERS, measured_sources, prefill_flops
+    """The measured constants of the cost model equal the tracked figures they cite; the decode step is the slower
+    of reading its bytes at the stated bandwidth share and dispatching its operations."""
+    from spark_bench.plan import H100_US_PER_OP, OPS_PER_LAYER_STEP, SMOLLM2_LAYERS, measured_sources
 
     figures = measured_sources(ROOT)
-    h100, cpu, ops = figures["decode_h100"], figures["decode"], figures["ops"]
+    h100, ops = figures["decode_h100"], figures["ops"]
     dense_ops = ops["fourteen"]["dense"]["ops_per_step"]
-    assert DEVICES["h100"].us_per_op == pytest.approx(
-        1000 * h100["step_fourteen"]["dense_dynamic_cache_step_ms"] / dense_ops)
-    assert DEVICES["h100"].ops_per_layer_step == pytest.approx(ops["fourteen"]["stacked"]["ops_per_step"]
-                                                               / SMOLLM2_LAYERS)
-    per_prompt = prefill_flops(134.5e6, SMOLLM2_LAYERS, 9, 64, h100["step_fourteen"]["prompt_tokens"])
-    assert DEVICES["h100"].prefill_flops == pytest.approx(
-        per_prompt * h100["fourteen"]["samples"] / h100["fourteen"]["batched"]["prefill_s"])
-    assert DEVICES["cpu"].us_per_op == pytest.approx(1000 * cpu["weights_step_ms"]["1"] / dense_ops)
-    assert DEVICES["cpu"].bandwidth == pytest.approx(4 * 134.5e6 / (cpu["weights_step_ms"]["1"] / 1000))
+    assert H100_US_PER_OP == pytest.approx(1000 * h100["step_fourteen"]["dense_dynamic_cache_step_ms"] / dense_ops)
+    assert OPS_PER_LAYER_STEP == pytest.approx(ops["fourteen"]["stacked"]["ops_per_step"] / SMOLLM2_LAYERS)
+
+
+def test_the_plan_is_a_roofline_with_its_assumptions_printed(tmp_path):
+    """An 8B model at 127.5K: prefill hours = FLOPs ÷ (stated share of the bf16 peak); a decode step is the slower
+    of reading the weights and caches at the stated share of the bandwidth and dispatching its measured operations;
+    make gpu-check's figures are printed where they exist."""
+    import json
+
+    from spark_bench import plan
+    from spark_bench.memory import Arch
+    from spark_bench.methods import MethodConfig
+    from conftest import model_config
+
+    model = model_config("llama3.1-8b")
+    configs = [MethodConfig(name="snapkv", budget=0.2), MethodConfig(name="snapkv+spark", budget=0.2, ratio=0.8)]
+    work = [plan.TaskWork("narrativeqa", 10, 128, "published")]
+    cost = plan.estimate(model, configs, work, 127500, root=tmp_path)
+    arch = Arch.of(model)
+    flops = plan.prefill_flops(arch.num_params, arch.num_layers, arch.num_heads, arch.head_dim, 127500)
+    h100 = plan.DEVICES["h100"]
+    assert cost.hours["h100"][0] == pytest.approx(10 * flops / (h100.peak_flops * plan.UTILISATION["prefill"]) / 3600)
+    read = cost.step_gb * 1e9 / (h100.bandwidth * plan.UTILISATION["decode"])
+    dispatch = h100.us_per_op * 1e-6 * plan.OPS_PER_LAYER_STEP * arch.num_layers
+    assert cost.hours["h100"][1] == pytest.approx(1280 * max(read, dispatch) / 3600)
+    assert ("memory-bound" if read > dispatch else "dispatch-bound") in cost.bound["h100"]
+    assert "memory-bound" in cost.bound["a100"] and "dispatch not measured" in cost.bound["a100"]
+    lines = cost.lines()
+    assert any("40% of the dense bf16 peak" in line for line in lines) and "no make gpu-check figures" in lines[-1]
+    (tmp_path / "results" / "bench" / "gpu").mkdir(parents=True)
+    (tmp_path / "results" / "bench" / "gpu" / "check.json").write_text(json.dumps({"device": "NVIDIA H100", "calibration": [
+        {"model": "llama3.1-8b (random)", "tokens": 8192, "prefill_tflops": 400.0, "step_ms": 30.0, "rows": 14}]}))
+    assert "prefill 400 TFLOP/s" in plan.estimate(model, configs, work, 127500, root=tmp_path).lines()[-1]
 
 
 def test_dry_run_prints_the_plan_of_every_table():
@@ -160,4 +186,4 @@ def test_dry_run_prints_the_plan_of_every_table():
     plan = [line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("plan:")]
     assert plan[0].startswith("plan: samples per task (published): narrativeqa 200")
     assert plan[1].startswith("plan: 3750 samples × 56 configs; prompts ≤ 127500 tokens;")
-    assert "KV per sample ≤" in plan[2] and any("h on NVIDIA H100" in line for line in plan)
+    assert "KV per sample ≤" in plan[2] and any("GPU-hours on one NVIDIA H100" in line for line in plan)

@@ -254,38 +254,63 @@ class BatchedLayer(CacheLayerMixin):
                 if row.valid_bits is not None:
                     self.valid_bits[i * b:(i + 1) * b, :, :row.valid_bits.shape[-1]] = row.valid_bits
         self.stack = stack
+        self._members: set[int] = set()  # fused-kernel table variants in use (query heads per work item)
         self._arrange(kernel)
 
-    def _arrange(self, stacked: list[int]) -> None:
-        """The stacked rows (batch indices, in stack order), their stacks and tables, and the per-row ones."""
-        device = self.tail_keys.device
+    def _arrange(self, stacked: list[int], tail_index: list[int] | None = None) -> None:
+        """The stacked rows (batch indices, in stack order), their stacks, the per-row groups and every index a step
+        reads. All of it, with the fused kernel's tables of the query widths already seen and ``tail_index`` (the
+        tail rows to keep when rows stop), goes to the device in one host→device copy."""
         self.stacked = stacked
         self.loose = [i for i in range(len(self.rows)) if i not in set(stacked)]
         self.prefix = stacked == list(range(len(stacked)))  # stacked rows first: no reordering per step
-        self.order = None if self.prefix else torch.tensor(stacked + self.loose, device=device).argsort()
-        self.stacked_index = None if self.prefix else torch.tensor(stacked, device=device)
+        upload = _Upload()
+        tail = upload.add(tail_index)
+        order = upload.add(None if self.prefix else _argsort(stacked + self.loose))
+        stacked_index = upload.add(None if self.prefix else stacked)
         # units: rows one kernel call serves (all stacked rows; on CUDA with stack=False, one row each)
         units = [stacked] if self.stack or self.backend != "triton" else [[i] for i in stacked]
-        self.units = []
+        self.units, slots = [], []
         for unit in (u for u in units if u):
             keys = SegmentStack([self.rows[i].key_store for i in unit], self.s_max)
             values = ValueStack([self.rows[i].value_store for i in unit], self.s_max)
-            self.units.append(dict(rows=unit, keys=keys, values=values, tables={},
-                                   index=None if unit == list(range(unit[0], unit[0] + len(unit))) else
-                                   torch.tensor(unit, device=device)))
-        self._group_rows()
+            self.units.append(dict(rows=unit, keys=keys, values=values, tables={}))
+            contiguous = unit == list(range(unit[0], unit[0] + len(unit)))
+            slots.append((upload.add(None if contiguous else unit),
+                          {m: upload.add(*self._layout(self.units[-1], m)) for m in self._members}))
+        served = [i for u in self.units for i in u["rows"]] + self.loose
+        out_order = upload.add(None if served == list(range(len(self.rows))) else _argsort(served))
+        self.groups = _groups_of(self.rows, self.loose)
+        group_slots = [upload.add(group if len(group) > 1 else None) for group in self.groups]
+        sent = upload.send(self.tail_keys.device)
+        if tail_index is not None:
+            self.tail_keys, self.tail_values = self.tail_keys[sent[tail]], self.tail_values[sent[tail]]
+            if self.valid_bits is not None:
+                self.valid_bits = self.valid_bits[sent[tail]]
+        self.order, self.stacked_index, self.out_order = sent[order], sent[stacked_index], sent[out_order]
+        for unit, (index, tables) in zip(self.units, slots):
+            unit["index"] = sent[index]
+            for m, k in tables.items():
+                unit["tables"][m] = FusedTables.view(sent[k], upload.layouts[k])
+        self.group_index = [sent[k] for k in group_slots]
+
+    def _layout(self, unit: dict, members: int) -> tuple[list[int], tuple]:
+        """The fused kernel's tables of ``unit`` for ``members`` query heads per work item, on the host."""
+        valid = []
+        for i in unit["rows"]:
+            bits = self.rows[i].valid_bits
+            valid += [None if bits is None else (bits, j * bits.shape[-1])
+                      for j in range(self.batch_rows * self.tail_keys.shape[1])]
+        return FusedTables.layout(unit["keys"], unit["values"], valid, members)
 
     def _tables(self, unit: dict, members: int) -> FusedTables:
-        """The fused kernel's tables of ``unit`` for ``members`` query heads per work item (built once each)."""
+        """The fused kernel's tables of ``unit`` for ``members`` query heads per work item: built the first time a
+        query width needs them (one host→device copy), then with the layer's other indices when rows stop."""
         if members not in unit["tables"]:
-            b = self.batch_rows
-            h = self.tail_keys.shape[1]
-            valid = []
-            for i in unit["rows"]:
-                bits = self.rows[i].valid_bits
-                for j in range(b * h):
-                    valid.append(None if bits is None else (bits, j * bits.shape[-1]))
-            unit["tables"][members] = FusedTables.build(unit["keys"], unit["values"], valid, members)
+            flat, layout = self._layout(unit, members)
+            unit["tables"][members] = FusedTables.view(
+                torch.tensor(flat, dtype=torch.int64, device="cpu").to(self.tail_keys.device), layout)
+            self._members.add(members)
         return unit["tables"][members]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -298,38 +323,34 @@ class BatchedLayer(CacheLayerMixin):
             extra = (*self.tail_keys.shape[:2], grown - self.tail_keys.shape[-2], self.tail_keys.shape[-1])
             self.tail_keys = torch.cat([self.tail_keys, self.tail_keys.new_empty(extra)], dim=-2)
             self.tail_values = torch.cat([self.tail_values, self.tail_values.new_empty(extra)], dim=-2)
-        self.tail_keys[:, :, self.length:self.length + n] = key_states
-        self.tail_values[:, :, self.length:self.length + n] = value_states
-        self.length += n
-        if self.backend == "triton":
+        if self.backend == "triton":  # written where the device-held length says: a CUDA graph replays this
+            at = self.length_t + torch.arange(n, device=self.length_t.device)
+            self.tail_keys.index_copy_(2, at, key_states)
+            self.tail_values.index_copy_(2, at, value_states)
             self.length_t += n
+        else:
+            self.tail_keys[:, :, self.length:self.length + n] = key_states
+            self.tail_values[:, :, self.length:self.length + n] = value_states
+        self.length += n
         return key_states, value_states  # attention reads the tail buffers (:meth:`attend`), not these
 
-    def _group_rows(self) -> None:
-        """Per-row path: rows whose value store is the same dense tensor (configs sharing an eviction selection)
-        form a group: their prompt scores are stacked and ``weights @ values`` runs once."""
-        self.groups = _groups_of(self.rows, self.loose)
-
     def keep(self, rows: list[int]) -> None:
-        """Drop the rows not in ``rows`` (they stopped generating): the tails are re-indexed, the tables rebuilt."""
+        """Drop the rows not in ``rows`` (they stopped generating): the tails are re-indexed, the tables rebuilt
+        (one host→device copy for the layer)."""
         b = self.batch_rows
-        index = torch.tensor([i * b + j for i in rows for j in range(b)], device=self.tail_keys.device)
-        self.tail_keys, self.tail_values = self.tail_keys[index], self.tail_values[index]
-        if self.valid_bits is not None:
-            self.valid_bits = self.valid_bits[index]
         position = set(self.stacked)
         self.rows = [self.rows[i] for i in rows]
         self.lengths = [self.lengths[i] for i in rows]
-        self._arrange([j for j, i in enumerate(rows) if i in position])
+        self._arrange([j for j, i in enumerate(rows) if i in position], [i * b + j for i in rows for j in range(b)])
 
     def attend(self, query: torch.Tensor, scaling: float, mode: str = "compact") -> torch.Tensor:
         """``query (R, H_q, q, D)``, row ``r`` over row ``r``'s stores and tail → ``(R, q, H_q, D)``, float32
         arithmetic on every path."""
         r, hq, q_len, d = query.shape
         h = self.tail_keys.shape[1]
-        grouped = query.float().reshape(r, h, hq // h * q_len, d) * scaling
-        if mode == "materialize" or not self.stacked:
-            out = self._attend_rows(grouped, q_len, mode, list(range(r)))
+        grouped = query.reshape(r, h, hq // h * q_len, d).to(torch.float32, copy=True).mul_(scaling)
+        if not self.stacked:  # (every row with mode="materialize")
+            out = self._attend_rows(grouped, q_len, mode)
         elif self.backend == "triton":
             out = self._attend_fused(grouped, q_len)
         else:
@@ -358,22 +379,18 @@ class BatchedLayer(CacheLayerMixin):
             step = g
             while step > 1 and self._tables(unit, launch_shape(step)[1]).n_slots * step * (d + 2) * 4 > self.work_bytes:
                 step = -(-step // 2)
-            parts = []
-            for g0 in range(0, g, step):
-                qc = q if step == g else q[:, g0:g0 + step].contiguous()
-                tables = self._tables(unit, launch_shape(qc.shape[1])[1])
-                parts.append(dispatch.fused_attention(tables, unit["keys"].aux_scale, tk, qc, tk, tv, self.length_t,
-                                                      q_len, g0))
-            outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+            out = torch.empty(n, g, d, dtype=torch.float32, device=q.device)
+            for g0 in range(0, g, step):  # a suffix's chunks of query rows: views read and written in place
+                rows_g = slice(g0, g0 + step)
+                tables = self._tables(unit, launch_shape(min(step, g - g0))[1])
+                dispatch.fused_attention(tables, unit["keys"].aux_scale, tk, q[:, rows_g], tk, tv, self.length_t,
+                                         q_len, g0, out[:, rows_g])
+            outs.append(out)
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         out = out.view(-1, h, g, d)
         if self.loose:
-            out = torch.cat([out, self._attend_rows(grouped, q_len, "compact", self.loose)])
-        if len(self.units) > 1 or self.order is not None:
-            order = [i for u in self.units for i in u["rows"]] + self.loose
-            if order != list(range(r)):
-                out = out.index_select(0, torch.tensor(order, device=out.device).argsort())
-        return out
+            out = torch.cat([out, self._attend_rows(grouped, q_len, "compact")])
+        return out if self.out_order is None else out.index_select(0, self.out_order)
 
     def _attend_cpu(self, grouped: torch.Tensor, q_len: int) -> torch.Tensor:
         """CPU: the C++ logits of the stacked rows (and the loose rows' own scores), one float32 softmax over prompt
@@ -426,22 +443,21 @@ class BatchedLayer(CacheLayerMixin):
             invalid = ~unpack_bits(self.valid_bits, self.s_max).unsqueeze(2)
             scores[..., :self.s_max].masked_fill_(invalid, float("-inf"))
 
-    def _attend_rows(self, grouped: torch.Tensor, q_len: int, mode: str, rows: list[int]) -> torch.Tensor:
-        """The per-row path for ``rows``: each row's prompt scores over its own stores (grouped by shared values),
+    def _attend_rows(self, grouped: torch.Tensor, q_len: int, mode: str) -> torch.Tensor:
+        """The per-row path for the loose rows: each row's prompt scores over its own stores (grouped by shared values),
         its tail, and the exact log-sum-exp merge of the two (:class:`Partial`); float32."""
         out = {}
-        for group in self.groups if rows is self.loose else _groups_of(self.rows, rows):
+        for group, index in zip(self.groups, self.group_index):
             scores = [self.rows[i].prompt_scores(grouped[i:i + 1], mode) for i in group]
             prompt = Partial.of(scores[0] if len(scores) == 1 else torch.cat(scores),
                                 self.rows[group[0]].value_store.materialize())
-            index = torch.tensor(group, device=grouped.device) if len(group) > 1 else None
             sel = (lambda x: x[group[0]:group[0] + 1]) if index is None else (lambda x: x.index_select(0, index))
             tail = tail_attention(sel(grouped), sel(self.tail_keys)[:, :, :self.length],
                                   sel(self.tail_values)[:, :, :self.length], q_len)
             merged = merge([prompt, tail], torch.float32)
             for k, i in enumerate(group):
                 out[i] = merged[k:k + 1]
-        return torch.cat([out[i] for i in rows])
+        return torch.cat([out[i] for i in self.loose])
 
     def get_seq_length(self) -> int:
         return max(self.lengths) + self.length
@@ -451,6 +467,32 @@ class BatchedLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+
+class _Upload:
+    """Host int64 lists sent to a device in one copy: :meth:`add` reserves a slot (``None`` stays ``None``),
+    :meth:`send` returns each slot's device view."""
+
+    def __init__(self):
+        self.flat: list[int] = []
+        self.spans: list[tuple[int, int] | None] = []
+        self.layouts: dict[int, tuple] = {}
+
+    def add(self, values: list[int] | None, layout: tuple | None = None) -> int:
+        self.spans.append(None if values is None else (len(self.flat), len(values)))
+        if values is not None:
+            self.flat += values
+        if layout is not None:
+            self.layouts[len(self.spans) - 1] = layout
+        return len(self.spans) - 1
+
+    def send(self, device: torch.device) -> list[torch.Tensor | None]:
+        packed = torch.tensor(self.flat, dtype=torch.int64, device="cpu").to(device) if self.flat else None
+        return [None if span is None else packed[span[0]:span[0] + span[1]] for span in self.spans]
+
+
+def _argsort(values: list[int]) -> list[int]:
+    return sorted(range(len(values)), key=values.__getitem__)
 
 
 def _groups_of(rows: list[StoredLayer], which: list[int]) -> list[list[int]]:
@@ -485,6 +527,31 @@ class BatchedCache(Cache):
     def keep(self, rows: list[int]) -> None:
         for layer in self.layers:
             layer.keep(rows)
+
+    def graph_blocker(self) -> str | None:
+        """Why a decode step of this batch cannot be captured in a CUDA graph (None: it can): every layer must run
+        the fused kernel (static shapes, the tail length on the device) with no row on the per-row path (its
+        tail is sliced at the host's length), on CUDA."""
+        for layer in self.layers:
+            if layer.backend != "triton":
+                return f"layer on the {layer.backend} backend (graphs need the fused CUDA kernel)"
+            if layer.loose:
+                return "rows on the per-row path (their attention reads the host-side tail length)"
+            if not layer.tail_keys.is_cuda:
+                return "the batch is not on a CUDA device"
+        return None
+
+    def advance(self, n: int) -> None:
+        """A replayed step wrote ``n`` tokens on the device: advance the host-side lengths to match."""
+        for layer in self.layers:
+            layer.length += n
+
+    def host_lengths(self) -> list[int]:
+        return [layer.length for layer in self.layers]
+
+    def set_host_lengths(self, lengths: list[int]) -> None:
+        for layer, n in zip(self.layers, lengths):
+            layer.length = n
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Decode attention of layer ``layer_idx`` (called by :mod:`spark_bench.engine.attention`)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)  # bit i of a byte (unpack_bits)
 _GATHER = 0x0102040810204080  # × the 8 little-endian 0/1 bytes of an int64 → bit i of the byte at bit 56 + i
 
 
@@ -26,8 +25,8 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: uint8 ``(..., ceil(n / 8))`` back to bool ``(..., n)``."""
-    weights = _WEIGHTS.to(packed.device)
-    bits = (packed.unsqueeze(-1) & weights) != 0
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)  # made on the device: no host copy
+    bits = ((packed.unsqueeze(-1) >> shifts) & 1) != 0
     return bits.reshape(*packed.shape[:-1], -1)[..., :n]
 
 

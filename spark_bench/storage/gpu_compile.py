@@ -54,9 +54,10 @@ def _signature(kernel: str, itemsize: int) -> dict:
     elem = "*" + ELEMENTS[itemsize]
     if kernel == "partials":
         return dict(q_ptr="*fp32", aux_ptr="*fp32", seg_ptr="*i64", head_ptr="*i64", work_ptr="*i64",
-                    list_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", elem_ptr=elem, n_rows="i32")
+                    list_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", elem_ptr=elem, n_rows="i32", q_stride="i32")
     return dict(q_ptr="*fp32", head_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", tail_k_ptr=elem, tail_v_ptr=elem,
-                len_ptr="*i64", out_ptr="*fp32", n_rows="i32", tail_cap="i32", q_len="i32", g0="i32")
+                len_ptr="*i64", out_ptr="*fp32", n_rows="i32", q_stride="i32", tail_cap="i32", q_len="i32",
+                g0="i32")
 
 
 def i32_address_multiplies(llir: str) -> int:

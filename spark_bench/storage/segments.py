@@ -2,11 +2,11 @@
 
 A decode batch holds one compressed cache per method config. To make a step's cost independent of how many rows it
 has, the compact key stores of every row of a layer (SparK fixed-T stores in the recoveries that fold into per-token
-work, ThinK's structured stores) are concatenated once, when the batch is formed, into flat arrays, and described by
-a table with one *segment* per (row, kv-head, layout): which query head reads it, where its tokens land in the
+work, ThinK's structured stores) are described once, when the batch is formed, by a table with one *segment* per
+(row, kv-head, layout): which query head reads it, where its tokens land in the
 output, how many channels each token keeps, where its kept entries, mask bits, recovery statistic and sign bits
-start, and its mode. Nothing is padded: tokens of every row are stored back to back, so the stack holds exactly the
-rows' compact bytes; only the ``(R, H, G, S_max)`` output is padded (the caller masks the padding).
+start (in the rows' own tensors), and its mode. Nothing is copied or padded; only the C++ path's ``(R, H, G, S_max)``
+output is padded (the caller masks the padding).
 
 Modes (the kernel header ``engine/kernels/spark_logits.cpp`` has the formulas): 0 constant fill (``zero``, ``none``,
 ``constant``; ThinK's pruned channels read as 0), 1 paper degenerate (``saliency=paper``), 2 official degenerate
@@ -19,6 +19,7 @@ same parts through 64-bit addresses (:class:`FusedTables`). Neither copies the r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -165,26 +166,20 @@ class SegmentStack:
 
     def _set_rows(self, rows: list[tuple], fills: list[float]) -> None:
         self._rows, self._fills = rows, fills
-        self.table = torch.tensor(rows, dtype=torch.int64, device=self.device).reshape(-1, len(PART_COLUMNS))
-        self.fills = torch.tensor(fills, dtype=torch.float32, device=self.device)
         self.max_tokens = max((r[2] for r in rows), default=0)
 
-    def select(self, rows: list[int]) -> "SegmentStack":
-        """The stack of the stacked rows ``rows`` (indices in stack order), sharing this stack's parts: only the
-        table is rebuilt (rows that stopped decoding drop out of it), nothing is copied."""
-        keep = {r: i for i, r in enumerate(rows)}
-        k = self.row_heads
-        picked = [(seg, fill) for seg, fill in zip(self._rows, self._fills) if seg[0] // k in keep]
-        out = object.__new__(SegmentStack)
-        out.__dict__.update(self.__dict__)
-        out._set_rows([(keep[seg[0] // k] * k + seg[0] % k, *seg[1:]) for seg, _ in picked], [f for _, f in picked])
-        heads = torch.tensor([r * k + j for r in rows for j in range(k)], device=self.device)
-        out.aux_scale = self.aux_scale.index_select(0, heads)
-        return out
+    @functools.cached_property
+    def table(self) -> torch.Tensor:
+        """The C++ kernel's segment table (made on first use: the fused CUDA decode reads :class:`FusedTables`)."""
+        return torch.tensor(self._rows, dtype=torch.int64, device=self.device).reshape(-1, len(PART_COLUMNS))
+
+    @functools.cached_property
+    def fills(self) -> torch.Tensor:
+        return torch.tensor(self._fills, dtype=torch.float32, device=self.device)
 
     def nbytes(self) -> int:
         """Bytes the stack adds to its rows' stores (table, per-head scales, ThinK's per-head masks)."""
-        return tensor_bytes(self.table, self.fills, self.aux_scale, *self._own)
+        return 8 * len(self._rows) * len(PART_COLUMNS) + 4 * len(self._fills) + tensor_bytes(self.aux_scale, *self._own)
 
 
 class ValueStack:
@@ -221,15 +216,11 @@ class ValueStack:
         """``rows``: (qh, w_off, n, part, offset in the part)."""
         rows = sorted(rows, key=lambda r: (r[3], r[4], r[2]))  # one tensor's segments adjacent: read once per run
         self._rows = rows
-        self.table = torch.tensor(rows, dtype=torch.int64, device=self.device).reshape(-1, 5)
 
-    def select(self, rows: list[int]) -> "ValueStack":
-        """The stack of ``rows`` (indices in stack order), sharing this stack's values (nothing is copied)."""
-        keep, k = {r: i for i, r in enumerate(rows)}, self.row_heads
-        out = object.__new__(ValueStack)
-        out.__dict__.update(self.__dict__)
-        out._set_rows([(keep[seg[0] // k] * k + seg[0] % k, *seg[1:]) for seg in self._rows if seg[0] // k in keep])
-        return out
+    @functools.cached_property
+    def table(self) -> torch.Tensor:
+        """The C++ ``pv_segments`` table (made on first use)."""
+        return torch.tensor(self._rows, dtype=torch.int64, device=self.device).reshape(-1, 5)
 
 
 def _address(part: torch.Tensor, offset: int) -> int:
@@ -273,7 +264,22 @@ class FusedTables:
               chunk: int | None = None) -> "FusedTables":
         """``valid``: per query head, ``(bits tensor, byte offset)`` of its validity bits or None; ``members``: query
         heads per work item (:func:`~.triton_decode.launch_shape`); ``chunk``: tokens per work item (default
-        :meth:`chunk_of` each value tensor)."""
+        :meth:`chunk_of` each value tensor). One host→device copy."""
+        flat, layout = cls.layout(keys, values, valid, members, chunk)
+        return cls.view(torch.tensor(flat, dtype=torch.int64, device="cpu").to(keys.device), layout)
+
+    @classmethod
+    def view(cls, packed: torch.Tensor, layout: tuple) -> "FusedTables":
+        """The tables over ``packed`` (the device copy of :meth:`layout`'s list, or a slice of a larger upload)."""
+        a, b, c, slots, n_work, members = layout
+        return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], packed[a + b + c:], slots, n_work,
+                   members)
+
+    @classmethod
+    def layout(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
+               chunk: int | None = None) -> tuple[list[int], tuple]:
+        """The tables as one host list of int64 and its layout (for :meth:`view`): built on the host, so a caller
+        can send several tables (and its own indices) to the device in one copy."""
         import struct
 
         n_heads = len(valid)
@@ -317,10 +323,7 @@ class FusedTables:
                               -(-tokens[qh] // chunks[qh]), tokens[qh]])
         flat = [x for r in seg_rows for x in r] + [x for r in head_rows for x in r] + [x for r in work for x in r]
         flat += lists
-        packed = torch.tensor(flat, dtype=torch.int64).to(keys.device)  # the one host→device copy
-        a, b, c = 10 * len(seg_rows), 7 * n_heads, 6 * len(work)
-        return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], packed[a + b + c:], slots,
-                   len(work), members)
+        return flat, (10 * len(seg_rows), 7 * n_heads, 6 * len(work), slots, len(work), members)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed)

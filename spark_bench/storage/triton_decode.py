@@ -97,8 +97,21 @@ def _keys(cols_a, cols_b, split, aux, t, live, c, ELEM: tl.constexpr, ESIZE: tl.
 
 
 @triton.jit
+def _online(m_i, l_i, acc, s, v):
+    """One online-softmax step: fold logits ``s (rows, n)`` and their values ``v (n, D)`` into the running max
+    ``m_i``, sum ``l_i`` and ``acc = Σ exp(s − m) · v`` (rows fully masked so far keep ``m = −inf``, weight 0)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_ptr, ml_ptr, elem_ptr,
-                     n_rows, D: tl.constexpr, D_PAD: tl.constexpr, RPM: tl.constexpr, MEMBERS: tl.constexpr,
+                     n_rows, q_stride, D: tl.constexpr, D_PAD: tl.constexpr, RPM: tl.constexpr, MEMBERS: tl.constexpr,
                      BLOCK_: tl.constexpr, ESIZE: tl.constexpr):
     """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor."""
     w = tl.program_id(0).to(tl.int64)
@@ -118,7 +131,8 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     qh_r = tl.load(list_ptr + list_start + member, mask=member < count, other=0)
     c = tl.arange(0, D_PAD)
     cm = c < D
-    q = tl.load(q_ptr + (qh_r * n_rows + g)[:, None] * D + c[None, :], mask=row_ok[:, None] & cm[None, :], other=0.0)
+    q = tl.load(q_ptr + (qh_r * q_stride + g * D)[:, None] + c[None, :], mask=row_ok[:, None] & cm[None, :],
+                other=0.0)
     m_i = tl.full((RPM * MEMBERS,), float("-inf"), tl.float32)
     l_i = tl.zeros((RPM * MEMBERS,), tl.float32)
     acc = tl.zeros((RPM * MEMBERS, D_PAD), tl.float32)
@@ -153,13 +167,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
                 visible = live & (((vbyte >> (t & 7).to(tl.int32)) & 1) != 0)
                 sm = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
                 s = tl.where((member == m)[:, None] & visible[None, :], sm, s)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online(m_i, l_i, acc, s, v)
     slot = tl.load(head_ptr + qh_r * 7 + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
@@ -168,8 +176,8 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
 
 
 @triton.jit
-def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, len_ptr, out_ptr, n_rows, tail_cap,
-                  q_len, g0, D: tl.constexpr, D_PAD: tl.constexpr, RM: tl.constexpr, BLOCK_: tl.constexpr):
+def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, len_ptr, out_ptr, n_rows, q_stride,
+                  tail_cap, q_len, g0, D: tl.constexpr, D_PAD: tl.constexpr, RM: tl.constexpr, BLOCK_: tl.constexpr):
     """Query head ``qh``'s rows ``gb·RM …``: merge its prompt partials, attend over its decoded tail, normalise."""
     qh = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64) * RM + tl.arange(0, RM)
@@ -195,7 +203,7 @@ def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, len_
         acc = acc * a_old[:, None] + pa * a_new[:, None]
         m_i = m_new
     tail_len = tl.load(len_ptr)
-    q = tl.load(q_ptr + (qh * n_rows + g)[:, None] * D + c[None, :], mask=both, other=0.0)
+    q = tl.load(q_ptr + (qh * q_stride + g * D)[:, None] + c[None, :], mask=both, other=0.0)
     last = tail_len - q_len + (g0 + g) % q_len  # the newest tail token each query row sees (causal suffix)
     for t0 in range(0, tail_len, BLOCK_):
         t = t0 + tl.arange(0, BLOCK_).to(tl.int64)
@@ -205,15 +213,9 @@ def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, len_
         tv = tl.load(tail_v_ptr + at, mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(tk), input_precision=DOT_PRECISION)
         s = tl.where(live[None, :] & (t[None, :] <= last[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, tv, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online(m_i, l_i, acc, s, tv)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + (qh * n_rows + g)[:, None] * D + c[None, :], out, mask=both)
+    tl.store(out_ptr + (qh * q_stride + g * D)[:, None] + c[None, :], out, mask=both)
 
 
 def launch_shape(rows_per_head: int) -> tuple[int, int]:
@@ -226,14 +228,18 @@ def launch_shape(rows_per_head: int) -> tuple[int, int]:
 def fused_decode(q, aux_scale, tables, elem, tail_keys, tail_values, tail_len, q_len: int, g0: int, out):
     """``q (QH, n, D)`` float32 (query rows ``g0 … g0 + n − 1`` of each query head) → ``out (QH, n, D)`` float32.
 
-    ``tables``: the :class:`~spark_bench.storage.segments.FusedTables` of the batch (its ``members`` must be
-    :func:`launch_shape`'s for ``n``); ``elem``: any tensor of the stores' dtype (the element type of the addresses);
+    ``q`` and ``out`` may be column slices of larger ``(QH, N, D)`` tensors (a suffix's chunk of query rows: read
+    and written in place, their head stride passed to the kernels), with the same strides. ``tables``: the
+    :class:`~spark_bench.storage.segments.FusedTables` of the batch (its ``members`` must be :func:`launch_shape`'s
+    for ``n``); ``elem``: any tensor of the stores' dtype (the element type of the addresses);
     ``tail_keys``/``tail_values`` ``(QH, capacity, D)`` and ``tail_len`` (a 1-element int64 device tensor: the filled
     tail length, so the launch's arguments are the same at every step). The caller runs this under the tensors'
     device (:func:`~spark_bench.storage.dispatch.on_device`)."""
     import torch
 
     heads, n, d = q.shape
+    if q.stride()[1:] != (d, 1) or out.stride() != q.stride():
+        raise ValueError("queries and output need rows of D contiguous channels and the same strides")
     rpm, members = launch_shape(n)
     if tables.members != members:
         raise ValueError(f"tables built for {tables.members} heads per work item, the launch needs {members}")
@@ -242,9 +248,10 @@ def fused_decode(q, aux_scale, tables, elem, tail_keys, tail_values, tail_len, q
     ml = torch.empty(tables.n_slots, n, 2, dtype=torch.float32, device=q.device)
     if tables.n_work:
         _partials_kernel[(tables.n_work, triton.cdiv(n, rpm))](
-            q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, n, D=d, D_PAD=d_pad,
-            RPM=rpm, MEMBERS=members, BLOCK_=BLOCK, ESIZE=elem.element_size(), num_warps=NUM_WARPS, num_stages=1)
+            q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, n, q.stride(0), D=d,
+            D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK, ESIZE=elem.element_size(), num_warps=NUM_WARPS,
+            num_stages=1)
     _merge_kernel[(heads, triton.cdiv(n, ROWS))](
-        q, tables.head, acc, ml, tail_keys, tail_values, tail_len, out, n, tail_keys.shape[1], q_len, g0, D=d,
-        D_PAD=d_pad, RM=ROWS, BLOCK_=BLOCK, num_warps=NUM_WARPS, num_stages=1)
+        q, tables.head, acc, ml, tail_keys, tail_values, tail_len, out, n, q.stride(0), tail_keys.shape[1], q_len,
+        g0, D=d, D_PAD=d_pad, RM=ROWS, BLOCK_=BLOCK, num_warps=NUM_WARPS, num_stages=1)
     return out
