@@ -40,6 +40,8 @@ gpu-check: test-gpu
 # Speed / memory figures → results/bench/*.json + results/bench/summary.md (never timed in unit tests)
 bench: $(STAMP)
 	$(BIN)/python scripts/bench/compile.py
+	$(BIN)/python scripts/bench/fused.py
+	$(BIN)/python scripts/bench/planner_peaks.py --label after
 	$(BIN)/python scripts/bench/bytes.py
 	$(BIN)/python scripts/bench/attention.py
 	$(BIN)/spark-bench-memory model=llama3.1-8b sweep=memory memory.seq_len=8192 memory.out=results/bench/memory.json

@@ -4,6 +4,9 @@ weights from a small config for tests. One :class:`ModelConfig` per ``conf/model
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -193,8 +196,40 @@ def _load_tokenizer(source: str, path: str, package: str | None) -> PreTrainedTo
 
     if source == "gguf":
         directory, file = gguf_location(path, package)
-        return AutoTokenizer.from_pretrained(directory, gguf_file=file)
+        return _gguf_tokenizer(Path(directory) / file)
     return AutoTokenizer.from_pretrained(path)
+
+
+def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
+    """A GGUF file's tokenizer, converted once (reading a GGUF's vocabulary takes seconds) and kept as
+    ``save_pretrained`` files under ``$SPARK_BENCH_CACHE`` (default ``~/.cache/spark_bench``), keyed by the file's
+    path, size and time and the transformers version; an unreadable cache entry is rebuilt."""
+    import hashlib
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
+    root = Path(os.environ.get("SPARK_BENCH_CACHE") or Path.home() / ".cache" / "spark_bench") / "tokenizers"
+    cached = root / key.hexdigest()[:20]
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except (OSError, ValueError):
+            pass
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:  # written beside, then renamed: concurrent runs never read a half-written entry
+        root.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(dir=root, prefix=".partial-"))
+        tokenizer.save_pretrained(partial)
+        try:
+            partial.rename(cached)
+        except OSError:  # another process got there first (or a damaged entry is in the way)
+            shutil.rmtree(partial, ignore_errors=True)
+    except OSError:
+        pass  # an unwritable cache only costs the conversion next time
+    return tokenizer
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

@@ -58,7 +58,7 @@ class Device:
 
 
 UTILISATION = {"prefill": 0.40, "decode": 0.70}  # assumed fractions of the peaks (printed with every estimate)
-OPS_PER_LAYER_STEP = 1990.25 / SMOLLM2_LAYERS  # ops.json fourteen.stacked.ops_per_step (SmolLM2, 30 layers)
+OPS_PER_LAYER_STEP = 2020.25 / SMOLLM2_LAYERS  # ops.json fourteen.stacked.ops_per_step (SmolLM2, 30 layers)
 H100_US_PER_OP = 1000 * 23.3 / 1677  # decode_h100.json step_fourteen.dense_dynamic_cache_step_ms / ops.json dense
 
 DEVICES = {

@@ -45,10 +45,10 @@ def test_fused_path_gives_the_tokens_of_every_other_path(triton_on_cpu, tiny_lm,
     """float32: stacked fused = one fused launch per row (decode_stack=false) = decode_batch=1 = the C++ path."""
     model = tiny_lm.model
     stacked = [r.tokens for r in decode_rows(model, _rows(tiny_prefill, CONFIGS))]
-    per_row = [r.tokens for r in decode_rows(model, _rows(tiny_prefill, CONFIGS), stack=False)]
-    alone = [decode_rows(model, [row])[0].tokens for row in _rows(tiny_prefill, CONFIGS[:2])]
-    assert stacked == per_row == cpp_tokens
-    assert alone == stacked[:2]
+    per_row = [r.tokens for r in decode_rows(model, _rows(tiny_prefill, CONFIGS[1:4]), stack=False)]
+    alone = [decode_rows(model, [row])[0].tokens for row in _rows(tiny_prefill, CONFIGS[2:4])]
+    assert stacked == cpp_tokens
+    assert per_row == stacked[1:4] and alone == stacked[2:4]
 
 
 def test_every_launch_runs_under_its_tensors_device(triton_on_cpu, monkeypatch, tiny_lm, tiny_prefill):
@@ -341,3 +341,17 @@ def test_the_cuda_path_holds_what_the_planner_says(triton_on_cpu, monkeypatch, t
     assert (suffix == 1) == (len(set(chunks)) == 1 and chunks[0] == 2 * suffix), chunks  # the suffix went in chunks
     assert tracker.peak <= 1.1 * planned, (tracker.peak, planned)
     assert STEP_WORK_BOUND == 256 * 2 ** 20
+
+
+def test_decode_graph_is_used_only_where_the_step_is_static(monkeypatch, tiny_prefill):
+    """A step is captured in a CUDA graph only when every layer runs the fused kernel with no per-row row (their
+    attention reads the host's tail length) on CUDA; everywhere else :func:`graph_step` returns None and the batch
+    decodes eagerly (the CPU suite's decoding tests run with ``graph=True``, the default)."""
+    from spark_bench.engine.decode import graph_step
+
+    assert "cpp backend" in _batch_layer(tiny_prefill, CONFIGS[:3]).graph_blocker()
+    monkeypatch.setattr(cache_module, "compact_backend", lambda device: "triton")
+    assert "per-row path" in _batch_layer(tiny_prefill, CONFIGS).graph_blocker()  # the gaussian row
+    batch = _batch_layer(tiny_prefill, CONFIGS[:3])
+    assert batch.graph_blocker() == "the batch is not on a CUDA device"
+    assert graph_step(None, batch, None, None, wanted=True) is None  # never reaches the capture

@@ -11,7 +11,6 @@ pytest.importorskip("triton")
 
 # the decode step of Llama-3-8B / Qwen3-8B (head_dim 128, 4 query heads per kv-head, bf16), both kernels
 CASES = [(kernel, constants, arch) for arch in (90, 80) for kernel, constants in specialisations(128, 4, suffix=False)]
-SPILL_BOUND = {90: 64, 80: 64}  # bytes; measured 0–32 (sm_90) and 56 (sm_80) for the partials kernel: see README
 
 
 @pytest.mark.parametrize("kernel,constants,arch", CASES, ids=lambda x: str(x) if not isinstance(x, dict) else "")
@@ -19,9 +18,7 @@ def test_kernel_compiles_for_the_gpu(kernel, constants, arch):
     report = compile_report(kernel, constants, arch)
     assert report.i32_address_multiplies == 0
     assert report.registers <= 255
-    assert report.spill_bytes <= SPILL_BOUND[arch], report
-    if kernel == "merge":
-        assert report.spill_bytes == 0
+    assert report.spill_bytes == 0, report  # measured: partials 221–242 registers, merge 80–98 (results/bench)
 
 
 def test_the_address_check_sees_32_bit_offsets():

@@ -44,14 +44,24 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = Counter()
+        self.kernels = 0  # ops that run a device kernel: not views, allocations or no-op conversions
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        aliases = isinstance(out, torch.Tensor) and first is not None and out.data_ptr() == first.data_ptr() \
+            and not func.overloadpacket.__name__.endswith("_")
+        if not (func.is_view or aliases or func.overloadpacket.__name__ in NO_KERNEL):
+            self.kernels += 1
+        return out
 
     @property
     def total(self) -> int:
         return sum(self.ops.values())
+
+
+NO_KERNEL = {"empty", "empty_strided", "detach", "alias", "lift_fresh", "_local_scalar_dense", "set_"}
 
 
 def count_steps(fn, steps: list[int], launches=None) -> dict:
@@ -67,8 +77,9 @@ def count_steps(fn, steps: list[int], launches=None) -> dict:
         counts[n], made[n] = counter, launches[0] if launches is not None else 0
     a, b = steps
     per_step = (counts[b].total - counts[a].total + made[b] - made[a]) / (b - a)
+    kernels = (counts[b].kernels - counts[a].kernels + made[b] - made[a]) / (b - a)
     top = counts[b].ops - counts[a].ops
-    return {"ops_per_step": per_step, "launches_per_step": (made[b] - made[a]) / (b - a),
+    return {"ops_per_step": per_step, "kernel_ops_per_step": kernels, "launches_per_step": (made[b] - made[a]) / (b - a),
             "top_ops_per_step": {k: v / (b - a) for k, v in top.most_common(12)}}
 
 
@@ -113,7 +124,8 @@ def measure(lm, sample, configs) -> dict:
             "fused_cuda_path": out_f,
             "ratio": round(out_c["ops_per_step"] / out_d["ops_per_step"], 3),
             "ratio_per_row": round(out_u["ops_per_step"] / out_d["ops_per_step"], 3),
-            "ratio_fused_cuda_path": round(out_f["ops_per_step"] / out_d["ops_per_step"], 3)}
+            "ratio_fused_cuda_path": round(out_f["ops_per_step"] / out_d["ops_per_step"], 3),
+            "kernel_ratio_fused_cuda_path": round(out_f["kernel_ops_per_step"] / out_d["kernel_ops_per_step"], 3)}
 
 
 @contextlib.contextmanager
@@ -167,8 +179,9 @@ def main() -> None:
         m = result[name]
         print(f"{name} ({m['rows']} rows): stacked {m['stacked']['ops_per_step']:.0f} ops/step, per-row "
               f"{m['per_row']['ops_per_step']:.0f}, dense {m['dense']['ops_per_step']:.0f}: {m['ratio']}× "
-              f"(per-row {m['ratio_per_row']}×; the fused CUDA path {m['ratio_fused_cuda_path']}×, "
-              f"{m['fused_cuda_path']['launches_per_step']:.0f} kernel launches)")
+              f"(per-row {m['ratio_per_row']}×; the fused CUDA path {m['ratio_fused_cuda_path']}×, of them "
+              f"{m['fused_cuda_path']['kernel_ops_per_step']:.0f} kernels against dense "
+              f"{m['dense']['kernel_ops_per_step']:.0f}: {m['kernel_ratio_fused_cuda_path']}×)")
 
 
 if __name__ == "__main__":

@@ -123,12 +123,37 @@ def main() -> None:
                   "", f"{o['model']}, every config of a sample in one batch vs a dense `DynamicCache` batch of the "
                   "same size (aten ops per step, counted with `TorchDispatchMode`; views included).", "",
                   "| mix | rows | stacked (default) | per-row path (`decode_stack=false`) | dense batch | stacked / dense "
-                  "(goal ≤ 1.3) | per-row / dense |", "|---|---|---|---|---|---|---|"]
-        for name in ("demo", "fourteen"):
+                  "(goal ≤ 1.3) | per-row / dense | CUDA path: kernels / dense kernels (goal ≤ 1) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name in ("demo", "fourteen", "twentyeight"):
+            if name not in o:
+                continue
             m = o[name]
+            fused = (f"{m['fused_cuda_path']['kernel_ops_per_step']:.0f} / {m['dense']['kernel_ops_per_step']:.0f} = "
+                     f"{m['kernel_ratio_fused_cuda_path']} ({verdict(m['kernel_ratio_fused_cuda_path'] <= 1)})"
+                     if "fused_cuda_path" in m else "–")
             lines.append(f"| {name} | {m['rows']} | {m['stacked']['ops_per_step']:.0f} | "
                          f"{m['per_row']['ops_per_step']:.0f} | {m['dense']['ops_per_step']:.0f} | {m['ratio']} "
-                         f"({verdict(m['ratio'] <= 1.3)}) | {m['ratio_per_row']} |")
+                         f"({verdict(m['ratio'] <= 1.3)}) | {m['ratio_per_row']} | {fused} |")
+    f = load("fused")
+    if f:
+        lines += ["", "## The fused CUDA decode's work per layer at the paper's scale (`scripts/bench/fused.py`)", "",
+                  f"From its launch formula ({f['formula']}); layer 0, every config of a sample in one batch.", "",
+                  "| table | rows | prompt | programs (old grid) | bytes read per layer (stored) | read / stored "
+                  "(goal ≤ 1.1) | old fp32 score traffic |", "|---|---|---|---|---|---|---|"]
+        for name, w in f["tables"].items():
+            ratio = w["bytes_loaded"] / w["stored_bytes"]
+            lines.append(f"| {name} | {w['rows']} | {w['prompt']} | {w['programs']} ({w['old_programs']}) | "
+                         f"{w['bytes_loaded'] / 2**20:.1f} MiB ({w['stored_bytes'] / 2**20:.1f} MiB) | {ratio:.3f} "
+                         f"({verdict(ratio <= 1.1)}) | {w['old_score_traffic_bytes'] / 2**20:.1f} MiB |")
+    pp = load("planner_peaks")
+    if pp:
+        lines += ["", "## Planner peaks on 80 GB GPUs (79 GiB given; `scripts/bench/planner_peaks.py`)", "",
+                  "| run | " + " | ".join(pp) + " |", "|---|" + "---|" * len(pp)]
+        for name in next(iter(pp.values())):
+            cells = [f"{v[name]['fullest_gib']} GiB, batches of {v[name]['decode_batch']}/{v[name]['rows']}"
+                     for v in pp.values()]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for name, title in (("decode", "CPU, the embedded model"),
                         ("decode_h100", "GPU, `scripts/bench/decode.py --device cuda`")):
         d = load(name)

@@ -324,7 +324,7 @@ class BatchedLayer(CacheLayerMixin):
             self.tail_keys = torch.cat([self.tail_keys, self.tail_keys.new_empty(extra)], dim=-2)
             self.tail_values = torch.cat([self.tail_values, self.tail_values.new_empty(extra)], dim=-2)
         if self.backend == "triton":  # written where the device-held length says: a CUDA graph replays this
-            at = self.length_t + torch.arange(n, device=self.length_t.device)
+            at = self.length_t if n == 1 else self.length_t + torch.arange(n, device=self.length_t.device)
             self.tail_keys.index_copy_(2, at, key_states)
             self.tail_values.index_copy_(2, at, value_states)
             self.length_t += n
@@ -348,7 +348,8 @@ class BatchedLayer(CacheLayerMixin):
         arithmetic on every path."""
         r, hq, q_len, d = query.shape
         h = self.tail_keys.shape[1]
-        grouped = query.reshape(r, h, hq // h * q_len, d).to(torch.float32, copy=True).mul_(scaling)
+        grouped = query.reshape(r, h, hq // h * q_len, d)
+        grouped = grouped * scaling if grouped.dtype == torch.float32 else grouped.float().mul_(scaling)
         if not self.stacked:  # (every row with mode="materialize")
             out = self._attend_rows(grouped, q_len, mode)
         elif self.backend == "triton":

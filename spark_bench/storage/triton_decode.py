@@ -154,19 +154,17 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
         live = t < t_end
         v = tl.load(values + t[:, None] * D + c[None, :], mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
         s = tl.full((RPM * MEMBERS, BLOCK_), float("-inf"), tl.float32)
-        for m in tl.static_range(MEMBERS):
-            if m < count:
-                mine = (mi == m)[:, None]
-                aux = tl.sum(tl.where(mine, aux_all, 0.0), axis=0)
-                k = _keys(tl.sum(tl.where(mine, segs_a, 0), axis=0), tl.sum(tl.where(mine, segs_b, 0), axis=0),
-                          tl.sum(tl.where(mi == m, split_m, 0), axis=0), aux, t, live, c, ELEM, ESIZE, D, D_PAD,
-                          BLOCK_)
-                valid_addr = tl.sum(tl.where(mi == m, valid_m, 0), axis=0)
-                vbyte = tl.load((valid_addr + (t >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True),
-                                mask=live & ((t * 0 + valid_addr) != 0), other=255).to(tl.int32)
-                visible = live & (((vbyte >> (t & 7).to(tl.int32)) & 1) != 0)
-                sm = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-                s = tl.where((member == m)[:, None] & visible[None, :], sm, s)
+        for m in range(0, count):  # a loop, not unrolled: one member's keys live in registers at a time
+            mine = (mi == m)[:, None]
+            aux = tl.sum(tl.where(mine, aux_all, 0.0), axis=0)
+            k = _keys(tl.sum(tl.where(mine, segs_a, 0), axis=0), tl.sum(tl.where(mine, segs_b, 0), axis=0),
+                      tl.sum(tl.where(mi == m, split_m, 0), axis=0), aux, t, live, c, ELEM, ESIZE, D, D_PAD, BLOCK_)
+            valid_addr = tl.sum(tl.where(mi == m, valid_m, 0), axis=0)
+            vbyte = tl.load((valid_addr + (t >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True),
+                            mask=live & ((t * 0 + valid_addr) != 0), other=255).to(tl.int32)
+            visible = live & (((vbyte >> (t & 7).to(tl.int32)) & 1) != 0)
+            sm = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            s = tl.where((member == m)[:, None] & visible[None, :], sm, s)
         m_i, l_i, acc = _online(m_i, l_i, acc, s, v)
     slot = tl.load(head_ptr + qh_r * 7 + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
