@@ -60,9 +60,17 @@ def _sweep_args(root, run):
             f"output_root={root}", f"run={run}"]
 
 
-def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path):
-    reference = cli(_sweep_args(tmp_path, "uninterrupted"), cwd=tmp_path)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One uninterrupted run of the sweep, the reference the resumed, repeated and sharded runs must equal byte for
+    byte (run once for the module)."""
+    root = tmp_path_factory.mktemp("reference")
+    reference = cli(_sweep_args(root, "uninterrupted"), cwd=root)
     assert reference.returncode == 0, reference.stderr[-2000:]
+    return root / "uninterrupted"
+
+
+def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
     proc = cli(_sweep_args(tmp_path, "killed"), cwd=tmp_path, wait=False)
     predictions = tmp_path / "killed" / "predictions.jsonl"
     deadline = time.time() + 300
@@ -78,7 +86,7 @@ def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"{len(partial)} of 6 predictions already done" in resumed.stdout
     for name in ("predictions.jsonl", "scores.csv", "table.md"):  # byte-identical to the uninterrupted run
-        assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "uninterrupted" / name).read_bytes()
+        assert (tmp_path / "killed" / name).read_bytes() == (uninterrupted / name).read_bytes()
     timings = [json.loads(line) for line in (tmp_path / "killed" / "timings.jsonl").read_text().splitlines()]
     # nothing computed twice (a kill between the two appends may lose one sample's timing line, never a prediction)
     assert len(timings) == len({(t["id"], t["config"]) for t in timings}) >= 5
@@ -88,10 +96,9 @@ def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path):
     assert other.returncode == 2 and "holds results of a different configuration (differs in: configs" in other.stderr
 
 
-def test_same_seed_same_bytes(tmp_path):
-    for run in ("a", "b"):
-        assert cli(_sweep_args(tmp_path, run), cwd=tmp_path).returncode == 0
-    assert (tmp_path / "a" / "predictions.jsonl").read_bytes() == (tmp_path / "b" / "predictions.jsonl").read_bytes()
+def test_same_seed_same_bytes(tmp_path, uninterrupted):
+    assert cli(_sweep_args(tmp_path, "again"), cwd=tmp_path).returncode == 0
+    assert (tmp_path / "again" / "predictions.jsonl").read_bytes() == (uninterrupted / "predictions.jsonl").read_bytes()
 
 
 @pytest.mark.parametrize("launcher", ["local_parallel", "local_submitit"])
@@ -104,11 +111,10 @@ def test_two_job_sweep_through_launcher(tmp_path, launcher):
         assert ("SnapKV @64" if job == "0" else "Full") in table
 
 
-def test_shards_merge_into_the_unsharded_result(tmp_path):
+def test_shards_merge_into_the_unsharded_result(tmp_path, uninterrupted):
     for shard in ("0/2", "1/2"):
         assert cli([*_sweep_args(tmp_path, "sharded"), f"shard={shard}"], cwd=tmp_path).returncode == 0
-    assert cli(_sweep_args(tmp_path, "whole"), cwd=tmp_path).returncode == 0
     merged = cli([str(tmp_path / "sharded")], cwd=tmp_path, merge=True)
     assert merged.returncode == 0, merged.stderr
     for name in ("predictions.jsonl", "scores.csv", "table.md"):
-        assert (tmp_path / "sharded" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+        assert (tmp_path / "sharded" / name).read_bytes() == (uninterrupted / name).read_bytes()
