@@ -216,8 +216,8 @@ def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
     if (cached / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(cached)
-        except (OSError, ValueError):
-            pass
+        except Exception:  # noqa: BLE001 — any unreadable entry (the tokenizers library raises bare Exceptions)
+            shutil.rmtree(cached, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     try:  # written beside, then renamed: concurrent runs never read a half-written entry
         root.mkdir(parents=True, exist_ok=True)

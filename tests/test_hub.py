@@ -159,3 +159,29 @@ def test_longbench_hub_mirror_from_a_local_copy(tmp_path, offline_env):
     records = read_records("qasper", None, hub_path=str(tmp_path / "mirror"))
     assert [r["_id"] for r in records] == [r["_id"] for r in fixture]
     assert records[0]["answers"] == fixture[0]["answers"]
+
+
+def test_a_gguf_tokenizer_is_converted_once_and_read_back_the_same(tmp_path, monkeypatch):
+    """The GGUF's tokenizer is converted on first use and cached (``SPARK_BENCH_CACHE``): the cached one encodes,
+    templates and names its special tokens as the GGUF's own; a damaged entry is rebuilt, not read."""
+    from conftest import model_config
+    from transformers import AutoTokenizer
+
+    from spark_bench.models import _gguf_tokenizer, gguf_location
+
+    monkeypatch.setenv("SPARK_BENCH_CACHE", str(tmp_path))
+    cfg = model_config("smollm2-135m")
+    directory, file = gguf_location(cfg.path, cfg.package)
+    gguf = Path(directory) / file
+    made = _gguf_tokenizer(gguf)
+    [entry] = list((tmp_path / "tokenizers").iterdir())
+    cached = _gguf_tokenizer(gguf)
+    reference = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+    chat = [{"role": "user", "content": "Where is the needle? ünïcode\tand tabs"}]
+    for tok in (made, cached):
+        assert tok.apply_chat_template(chat, add_generation_prompt=True) == reference.apply_chat_template(
+            chat, add_generation_prompt=True)
+        assert (tok.eos_token_id, tok.bos_token_id, len(tok)) == (reference.eos_token_id, reference.bos_token_id,
+                                                                  len(reference))
+    (entry / "tokenizer.json").write_text("{damaged")
+    assert _gguf_tokenizer(gguf).encode("a needle") == reference.encode("a needle")
