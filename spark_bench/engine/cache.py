@@ -221,7 +221,8 @@ class BatchedLayer(CacheLayerMixin):
 
     The stacks read the rows' own tensors in place (nothing is copied) and the layer keeps the stores alive, so
     decoding holds the compressed data once. AdaKV's padded heads are read from the rows' validity *bits*. When rows
-    stop, the tables are filtered (one host→device copy per table); nothing else crosses to the device in a step.
+    stop, the layer's indices and tables are rebuilt and sent in one host→device copy; nothing crosses to the device
+    in a step.
     """
 
     is_sliding = False
@@ -277,7 +278,8 @@ class BatchedLayer(CacheLayerMixin):
             self.units.append(dict(rows=unit, keys=keys, values=values, tables={}))
             contiguous = unit == list(range(unit[0], unit[0] + len(unit)))
             slots.append((upload.add(None if contiguous else unit),
-                          {m: upload.add(*self._layout(self.units[-1], m)) for m in self._members}))
+                          {m: upload.add(*FusedTables.layout(keys, values, self._valid(unit), m))
+                           for m in self._members}))
         served = [i for u in self.units for i in u["rows"]] + self.loose
         out_order = upload.add(None if served == list(range(len(self.rows))) else _argsort(served))
         self.groups = _groups_of(self.rows, self.loose)
@@ -294,22 +296,21 @@ class BatchedLayer(CacheLayerMixin):
                 unit["tables"][m] = FusedTables.view(sent[k], upload.layouts[k])
         self.group_index = [sent[k] for k in group_slots]
 
-    def _layout(self, unit: dict, members: int) -> tuple[list[int], tuple]:
-        """The fused kernel's tables of ``unit`` for ``members`` query heads per work item, on the host."""
+    def _valid(self, rows: list[int]) -> list:
+        """Per query head of ``rows``: its AdaKV validity bits and their byte offset, or None (every token valid)."""
         valid = []
-        for i in unit["rows"]:
+        for i in rows:
             bits = self.rows[i].valid_bits
             valid += [None if bits is None else (bits, j * bits.shape[-1])
                       for j in range(self.batch_rows * self.tail_keys.shape[1])]
-        return FusedTables.layout(unit["keys"], unit["values"], valid, members)
+        return valid
 
     def _tables(self, unit: dict, members: int) -> FusedTables:
         """The fused kernel's tables of ``unit`` for ``members`` query heads per work item: built the first time a
         query width needs them (one host→device copy), then with the layer's other indices when rows stop."""
         if members not in unit["tables"]:
-            flat, layout = self._layout(unit, members)
-            unit["tables"][members] = FusedTables.view(
-                torch.tensor(flat, dtype=torch.int64, device="cpu").to(self.tail_keys.device), layout)
+            unit["tables"][members] = FusedTables.build(unit["keys"], unit["values"], self._valid(unit["rows"]),
+                                                        members)
             self._members.add(members)
         return unit["tables"][members]
 
