@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/spark-bench-memory model=llama3.1-8b sweep=memory memory.seq_len=8192 memory.out=results/bench/memory.json
 	$(BIN)/python scripts/bench/memory_peak.py
 	$(BIN)/python scripts/bench/sweep.py
+	$(BIN)/python scripts/bench/sweep_compare.py
 	$(BIN)/python scripts/bench/ops.py
 	$(BIN)/python scripts/bench/decode.py
 	$(BIN)/python scripts/bench/decode.py --stacking-repeats 3 --out results/bench/decode_stacking.json

@@ -168,7 +168,8 @@ def test_the_kernel_loads_about_what_is_stored(triton_on_cpu):
     tail_k, tail_v = torch.randn(8, cap, d).to(dtype), torch.randn(8, cap, d).to(dtype)
     queries = torch.randn(8, group, d)
     with _LoadCounter().counting() as counter:
-        dispatch.fused_attention(tables, keys.aux_scale, tail_k, queries, tail_k, tail_v, torch.tensor([cap]), 1)
+        dispatch.fused_attention(tables, keys.aux_scale, tail_k, queries, 1.0, tail_k[:, :1], tail_v[:, :1],
+                                 tail_k, tail_v, torch.tensor([cap]), 1)
     stored = sum(s.nbytes() for s in stores) + values.nbytes() + tail_k.numel() * 2 * 2
     assert counter.bytes <= 1.1 * stored + queries.numel() * 4, (counter.bytes, stored)
 
@@ -213,6 +214,49 @@ def test_a_step_makes_no_host_transfer_and_keeps_its_shapes(triton_on_cpu, tiny_
             layer.update(keys[:3], keys[:3])
             layer.attend(query[:3], 0.25)
     assert seen == []
+
+
+def test_a_step_launches_no_more_kernels_than_a_dense_step(triton_on_cpu, monkeypatch, tiny_lm, tiny_prefill):
+    """Kernels one decode step runs on the CUDA path (the model's own ops that run a kernel, counted by the
+    dispatch mode, plus the two fused launches per layer, recorded not run) ≤ a dense ``DynamicCache`` batch's step
+    of the same rows (sdpa attention): the kernel scales the queries, writes the step's tokens into the tail and
+    advances the device length itself, so a layer's attention is its two launches (dense: sdpa and two cats)."""
+    from transformers import DynamicCache
+
+    from spark_bench.engine.attention import compressed_attention_enabled
+    from spark_bench.engine.clock import OpCounter
+    from spark_bench.storage import triton_decode
+
+    launches = [0]
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.__setitem__(0, launches[0] + 1)
+
+    model, r = tiny_lm.model, 4
+    batch = _batch_layer(tiny_prefill, CONFIGS[:4])
+    assert all(layer.kernel_writes_tail for layer in batch.layers)
+    ids = torch.full((r, 1), 7)
+    positions = torch.full((r, 1), tiny_prefill.prompt_length)
+
+    def step(cache, **kwargs):
+        model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
+              **kwargs).logits[:, -1].argmax(-1)
+
+    with compressed_attention_enabled(model):
+        step(batch, compressed_cache=batch)  # the first step builds the kernel tables
+        monkeypatch.setattr(triton_decode, "_partials_kernel", Recorded())
+        monkeypatch.setattr(triton_decode, "_merge_kernel", Recorded())
+        with OpCounter() as fused:
+            step(batch, compressed_cache=batch)
+    dense_cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(batch.layers):
+        keys = torch.randn(r, layer.tail_keys.shape[1], tiny_prefill.prompt_length, layer.tail_keys.shape[-1])
+        dense_cache.update(keys, keys.clone(), i)
+    with OpCounter() as dense:
+        step(dense_cache)
+    assert launches[0] == 2 * len(batch.layers)
+    assert fused.kernels + launches[0] <= dense.kernels, (fused.kernel_ops, dense.kernel_ops)
 
 
 class _LiveBytes:
@@ -297,7 +341,7 @@ def test_the_cuda_path_holds_what_the_planner_says(triton_on_cpu, monkeypatch, t
             self.name = name       # the kernels' arithmetic is tested elsewhere)
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append((self.name, args[9] if self.name == "partials" else 0))
+            return lambda *args, **kwargs: launched.append((self.name, args[10] if self.name == "partials" else 0))
 
     monkeypatch.setattr(triton_decode, "_partials_kernel", Skipped("partials"))
     monkeypatch.setattr(triton_decode, "_merge_kernel", Skipped("merge"))
@@ -329,8 +373,7 @@ def test_the_cuda_path_holds_what_the_planner_says(triton_on_cpu, monkeypatch, t
     query = torch.randn(r, 2 * h, suffix, d, generator=g)
     layer.update(keys, keys)
     layer.attend(query, 0.25)  # the first call builds the kernel tables (held for the batch, not step work)
-    layer.length_t -= suffix  # the same call again, measured
-    layer.length -= suffix
+    layer.length -= suffix  # the same call again, measured (the skipped kernels left the device length alone)
     tracker = _LiveBytes()
     with tracker.mode():
         layer.update(keys, keys)

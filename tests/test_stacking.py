@@ -196,9 +196,18 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
     tables = FusedTables.build(keys_stack, value_stack, per_head, members)
     work = tables.work.view(-1, 6)
     assert work[:, 1].max() > 1  # rows sharing a value tensor are served by one work item (values read once)
-    out = dispatch.fused_attention(tables, keys_stack.aux_scale, tail_k, queries.reshape(2 * n, -1, head_dim),
-                                   tail_k.reshape(2 * n, cap, head_dim), tail_v.reshape(2 * n, cap, head_dim),
-                                   torch.tensor([filled], device=DEVICE), q_len).view(n, 2, -1, head_dim)
+    # the step's q_len tokens go in beside the tail (filled − q_len tokens in it), which the kernel writes them into
+    new_k, new_v = tail_k[:, :, filled - q_len:filled].clone(), tail_v[:, :, filled - q_len:filled].clone()
+    buf_k, buf_v = tail_k.clone(), tail_v.clone()
+    buf_k[:, :, filled - q_len:], buf_v[:, :, filled - q_len:] = 0, 0
+    length = torch.tensor([filled - q_len], device=DEVICE)
+    out = dispatch.fused_attention(tables, keys_stack.aux_scale, tail_k, queries.reshape(2 * n, -1, head_dim), 1.0,
+                                   new_k.reshape(2 * n, q_len, head_dim), new_v.reshape(2 * n, q_len, head_dim),
+                                   buf_k.reshape(2 * n, cap, head_dim), buf_v.reshape(2 * n, cap, head_dim),
+                                   length, q_len, advance=q_len).view(n, 2, -1, head_dim)
+    assert out.dtype == queries.dtype and length.item() == filled
+    assert torch.equal(buf_k[:, :, :filled], tail_k[:, :, :filled]) and torch.equal(buf_v[:, :, :filled],
+                                                                                     tail_v[:, :, :filled])
     for i, (store, value) in enumerate(zip(stores, values)):
         ref = _float64_attention(store, value, queries[i:i + 1], tail_k[i:i + 1], tail_v[i:i + 1], filled, q_len,
                                  valid if i == 0 else None)

@@ -20,48 +20,21 @@ import argparse
 import contextlib
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from spark_bench.benchmarks.ruler import load_ruler
 from spark_bench.cli import CONF_DIR
+from spark_bench.engine.clock import OpCounter
 from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.engine.prefill import run_prefill
 from spark_bench.methods import Pipeline
 from spark_bench.models import ModelConfig, load_model
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every aten op dispatched inside the block (views included: each is a dispatch on a GPU too)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-        self.kernels = 0  # ops that run a device kernel: not views, allocations or no-op conversions
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        out = func(*args, **(kwargs or {}))
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        aliases = isinstance(out, torch.Tensor) and first is not None and out.data_ptr() == first.data_ptr() \
-            and not func.overloadpacket.__name__.endswith("_")
-        if not (func.is_view or aliases or func.overloadpacket.__name__ in NO_KERNEL):
-            self.kernels += 1
-        return out
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-
-NO_KERNEL = {"empty", "empty_strided", "detach", "alias", "lift_fresh", "_local_scalar_dense", "set_"}
 
 
 def count_steps(fn, steps: list[int], launches=None) -> dict:

@@ -117,6 +117,14 @@ def main() -> None:
                   f"(goal < 5%, {verdict(s['harness_overhead_share'] < 0.05)}); without compression "
                   f"{100 * s['harness_overhead_share_excl_compress']:.1f}%; compression {s['compress_s']} s of "
                   f"{s['shared_sweep_s']} s."]
+    sc = load("sweep_compare")
+    if sc:
+        lines += ["", "## CPU sweep time against an earlier commit (`scripts/bench/sweep_compare.py`)", "",
+                  f"{sc['what']}; {sc['repeats']} runs each, {sc['order']}: {sc['baseline']} "
+                  f"{sc['seconds']['baseline']} s vs current {sc['seconds']['current']} s; medians "
+                  f"{sc['median_s']['baseline']} → {sc['median_s']['current']} s: **{sc['ratio_current_over_baseline']}×** "
+                  f"(goal: no worse than the runs' spread, {verdict(sc['ratio_current_over_baseline'] <= max(sc['seconds']['baseline']) / min(sc['seconds']['baseline']))}); "
+                  f"same scores: {sc['same_scores']}."]
     o = load("ops")
     if o:
         lines += ["", "## Operations dispatched per decode step (the GPU kernel-launch proxy, `scripts/bench/ops.py`)",

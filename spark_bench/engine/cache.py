@@ -214,7 +214,9 @@ class BatchedLayer(CacheLayerMixin):
     * CPU (``cpp``): the C++ logits over every stacked row's prompt and tail, one float32 softmax, the C++
       ``weights · values``; a suffix's query rows go in chunks sized by ``work_bytes``;
     * CUDA (``triton``): the fused decode (:mod:`spark_bench.storage.triton_decode`), one launch and a merge, no
-      score tensor; with ``stack=False`` each row gets its own fused launch (the same arithmetic, row by row).
+      score tensor; with ``stack=False`` each row gets its own fused launch (the same arithmetic, row by row). The
+      kernels also scale the queries, attend the step's own tokens from :meth:`update`'s arguments and write them
+      into the tail at ``length_t``, which the first launch advances: a layer's attention is its two launches.
 
     Other rows (SparK-p/-g, sampled recoveries, value-pruned stores; every row with ``mode="materialize"``, and on
     the CPU with ``stack=False``) take the per-row path: their own float32 scores, merged with the tail exactly.
@@ -295,6 +297,11 @@ class BatchedLayer(CacheLayerMixin):
             for m, k in tables.items():
                 unit["tables"][m] = FusedTables.view(sent[k], upload.layouts[k])
         self.group_index = [sent[k] for k in group_slots]
+        # CUDA: the fused kernel writes the step's tokens into the tail itself, where its rows are the tail's own
+        # (units in place, no per-row path); otherwise :meth:`update` writes them at the host's length
+        self.kernel_writes_tail = (self.backend == "triton" and bool(self.units) and not self.loose
+                                   and all(unit["index"] is None for unit in self.units))
+        self.pending = None
 
     def _valid(self, rows: list[int]) -> list:
         """Per query head of ``rows``: its AdaKV validity bits and their byte offset, or None (every token valid)."""
@@ -324,12 +331,9 @@ class BatchedLayer(CacheLayerMixin):
             extra = (*self.tail_keys.shape[:2], grown - self.tail_keys.shape[-2], self.tail_keys.shape[-1])
             self.tail_keys = torch.cat([self.tail_keys, self.tail_keys.new_empty(extra)], dim=-2)
             self.tail_values = torch.cat([self.tail_values, self.tail_values.new_empty(extra)], dim=-2)
-        if self.backend == "triton":  # written where the device-held length says: a CUDA graph replays this
-            at = self.length_t if n == 1 else self.length_t + torch.arange(n, device=self.length_t.device)
-            self.tail_keys.index_copy_(2, at, key_states)
-            self.tail_values.index_copy_(2, at, value_states)
-            self.length_t += n
-        else:
+        if self.units and self.backend == "triton":  # the fused kernel attends them from here and writes them into the tail
+            self.pending = (key_states, value_states)  # at the device-held length (a graph replays it)
+        if not self.kernel_writes_tail:
             self.tail_keys[:, :, self.length:self.length + n] = key_states
             self.tail_values[:, :, self.length:self.length + n] = value_states
         self.length += n
@@ -350,48 +354,60 @@ class BatchedLayer(CacheLayerMixin):
         r, hq, q_len, d = query.shape
         h = self.tail_keys.shape[1]
         grouped = query.reshape(r, h, hq // h * q_len, d)
-        grouped = grouped * scaling if grouped.dtype == torch.float32 else grouped.float().mul_(scaling)
-        if not self.stacked:  # (every row with mode="materialize")
-            out = self._attend_rows(grouped, q_len, mode)
-        elif self.backend == "triton":
-            out = self._attend_fused(grouped, q_len)
+        if self.stacked and self.backend == "triton":  # the kernels scale the queries in float32 themselves
+            out = self._attend_fused(grouped, scaling, q_len)
         else:
-            out = self._attend_cpu(grouped, q_len)
+            grouped = grouped * scaling if grouped.dtype == torch.float32 else grouped.float().mul_(scaling)
+            if not self.stacked:  # (every row with mode="materialize")
+                out = self._attend_rows(grouped, q_len, mode)
+            else:
+                out = self._attend_cpu(grouped, q_len)
         if out.dtype != query.dtype:
             out = out.to(query.dtype)
         return out.view(r, hq, q_len, d).transpose(1, 2)
 
     def _rows_of(self, x: torch.Tensor, index, rows: list[int]) -> torch.Tensor:
-        return x[rows[0]:rows[0] + len(rows)] if index is None else x.index_select(0, index)
+        if index is not None:
+            return x.index_select(0, index)
+        return x if len(rows) == x.shape[0] else x[rows[0]:rows[0] + len(rows)]
 
-    def _attend_fused(self, grouped: torch.Tensor, q_len: int) -> torch.Tensor:
+    def _attend_fused(self, grouped: torch.Tensor, scaling: float, q_len: int) -> torch.Tensor:
         """CUDA: each unit's rows through the fused kernel (query rows in chunks bounded by ``work_bytes``), the
-        loose rows through the per-row path."""
+        loose rows through the per-row path. The layer's first launch advances the device length by the step's
+        ``q_len`` tokens, which the kernel writes into the tail (:attr:`kernel_writes_tail`) from :attr:`pending`."""
         from spark_bench.storage.triton_decode import launch_shape
 
         r, h, g, d = grouped.shape
         cap = self.tail_keys.shape[2]
-        outs = []
+        new_k, new_v = self.pending
+        self.pending = None
+        if grouped.stride()[2:] != (d, 1):
+            grouped = grouped.contiguous()
+        outs, advance = [], q_len
         for unit in self.units:
             rows, index = unit["rows"], unit["index"]
             n = len(rows) * self.batch_rows * h
             q = self._rows_of(grouped, index, rows).reshape(n, g, d)
             tk = self._rows_of(self.tail_keys, index, rows).reshape(n, cap, d)
             tv = self._rows_of(self.tail_values, index, rows).reshape(n, cap, d)
+            nk = self._rows_of(new_k, index, rows).reshape(n, q_len, d)
+            nv = self._rows_of(new_v, index, rows).reshape(n, q_len, d)
             step = g
             while step > 1 and self._tables(unit, launch_shape(step)[1]).n_slots * step * (d + 2) * 4 > self.work_bytes:
                 step = -(-step // 2)
-            out = torch.empty(n, g, d, dtype=torch.float32, device=q.device)
+            out = torch.empty(n, g, d, dtype=grouped.dtype, device=q.device)
             for g0 in range(0, g, step):  # a suffix's chunks of query rows: views read and written in place
                 rows_g = slice(g0, g0 + step)
                 tables = self._tables(unit, launch_shape(min(step, g - g0))[1])
-                dispatch.fused_attention(tables, unit["keys"].aux_scale, tk, q[:, rows_g], tk, tv, self.length_t,
-                                         q_len, g0, out[:, rows_g])
+                dispatch.fused_attention(tables, unit["keys"].aux_scale, tk, q[:, rows_g], scaling, nk, nv, tk, tv,
+                                         self.length_t, q_len, g0, out[:, rows_g], advance)
+                advance = 0
             outs.append(out)
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         out = out.view(-1, h, g, d)
         if self.loose:
-            out = torch.cat([out, self._attend_rows(grouped, q_len, "compact")])
+            loose = grouped * scaling if grouped.dtype == torch.float32 else grouped.float().mul_(scaling)
+            out = torch.cat([out, self._attend_rows(loose, q_len, "compact").to(out.dtype)])
         return out if self.out_order is None else out.index_select(0, self.out_order)
 
     def _attend_cpu(self, grouped: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -537,8 +553,8 @@ class BatchedCache(Cache):
         for layer in self.layers:
             if layer.backend != "triton":
                 return f"layer on the {layer.backend} backend (graphs need the fused CUDA kernel)"
-            if layer.loose:
-                return "rows on the per-row path (their attention reads the host-side tail length)"
+            if not layer.kernel_writes_tail:
+                return "rows on the per-row path or out of order (their tail is written at the host-side length)"
             if not layer.tail_keys.is_cuda:
                 return "the batch is not on a CUDA device"
         return None

@@ -1,4 +1,4 @@
-"""Timing and peak memory that mean something on an asynchronous device.
+"""Timing, peak memory and kernel counts that mean something on an asynchronous device.
 
 CUDA kernels run after the Python call that launched them returns, so a wall-clock reading is only the device's time
 once the device has drained: :func:`synchronize` before every reading that closes a timed span (prefill,
@@ -6,7 +6,8 @@ compression; a decode step ends with its one host read of the chosen tokens). :f
 records per decode batch, over every device the model lives on (a device map spreads it): on each CUDA device
 ``torch.cuda.max_memory_allocated`` since :func:`reset_peak`; on the CPU the process's peak resident set size since
 :func:`reset_peak` (Linux resets it through ``/proc/self/clear_refs``; elsewhere it is the peak since the process
-started).
+started). :class:`OpCounter` counts the aten operations a block dispatches and how many of them run a device kernel
+(no GPU needed): a small decode batch on a GPU is bound by its kernel launches.
 """
 
 from __future__ import annotations
@@ -143,3 +144,50 @@ def return_freed_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+NO_KERNEL = {"empty", "empty_strided", "detach", "alias", "lift_fresh", "_local_scalar_dense", "set_"}
+
+
+class OpCounter:
+    """Counts every aten op dispatched inside the block (``ops``; views included, each a dispatch on a GPU too) and
+    those that run a device kernel (``kernels``: not views, allocations, no-op conversions or results aliasing
+    their first input)."""
+
+    def __init__(self):
+        from collections import Counter
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.ops = Counter()
+        self.kernel_ops = Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                counter.ops[name] += 1
+                out = func(*args, **(kwargs or {}))
+                first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                aliases = isinstance(out, torch.Tensor) and first is not None \
+                    and out.data_ptr() == first.data_ptr() and not name.endswith("_")
+                if not (func.is_view or aliases or name in NO_KERNEL):
+                    counter.kernel_ops[name] += 1
+                return out
+
+        self._mode = Mode()
+
+    def __enter__(self) -> "OpCounter":
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def kernels(self) -> int:
+        return sum(self.kernel_ops.values())

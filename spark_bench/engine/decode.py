@@ -84,7 +84,7 @@ def _input_device(model: nn.Module) -> torch.device:
 class StepGraph:
     """One decode step of a fixed batch captured in a CUDA graph (``decode_graph``) and replayed: static input
     buffers (ids, positions), the model's forward up to the last logits. Every kernel of the step reads the tail
-    length from the device (:meth:`BatchedLayer.update`), so a replay is the next step. Captured on the batch's
+    length from the device (the fused kernel advances it), so a replay is the next step. Captured on the batch's
     second step (the first built the kernel tables and compiled the kernels, and warmed the allocator), again after
     rows stop (the batch changed shape). Only for batches :meth:`BatchedCache.graph_blocker` clears."""
 

@@ -142,14 +142,18 @@ def stack_apply(stack: ValueStack, weights: torch.Tensor, tail: torch.Tensor | N
 
 
 def fused_attention(tables: FusedTables, aux_scale: torch.Tensor, elem: torch.Tensor, queries: torch.Tensor,
-                    tail_keys: torch.Tensor, tail_values: torch.Tensor, tail_len: torch.Tensor, q_len: int,
-                    g0: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton: ``queries (QH, n, D)`` float32 rows ``g0 …`` → attention output ``(QH, n, D)`` float32 (into ``out``
-    when given: a slice of the whole suffix's output) over the stores of ``tables`` and the decoded tail
-    ``(QH, capacity, D)`` (``tail_len``: a device tensor), launched under the queries' device."""
+                    scale: float, new_keys: torch.Tensor, new_values: torch.Tensor, tail_keys: torch.Tensor,
+                    tail_values: torch.Tensor, tail_len: torch.Tensor, q_len: int, g0: int = 0,
+                    out: torch.Tensor | None = None, advance: int = 0) -> torch.Tensor:
+    """Triton: ``queries (QH, n, D)`` rows ``g0 …`` (scaled by ``scale`` inside the kernel) → attention output
+    ``(QH, n, D)`` in the queries' dtype (into ``out`` when given: a slice of the whole suffix's output) over the
+    stores of ``tables``, the decoded tail ``(QH, capacity, D)`` and the step's ``new_keys``/``new_values``
+    ``(QH, q_len, D)`` (written into the tail at the device length ``tail_len``, which the launch advances by
+    ``advance``: see :func:`~.triton_decode.fused_decode`), launched under the queries' device."""
     from spark_bench.storage.triton_decode import fused_decode
 
     if out is None:
-        out = torch.empty(queries.shape, dtype=torch.float32, device=queries.device)
+        out = torch.empty(queries.shape, dtype=queries.dtype, device=queries.device)
     with on_device(queries):
-        return fused_decode(queries, aux_scale, tables, elem, tail_keys, tail_values, tail_len, q_len, g0, out)
+        return fused_decode(queries, scale, aux_scale, tables, elem, new_keys, new_values, tail_keys, tail_values,
+                            tail_len, q_len, g0, out, advance)

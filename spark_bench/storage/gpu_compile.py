@@ -51,13 +51,16 @@ def specialisations(head_dim: int, group: int, itemsize: int = 2, suffix: bool =
 
 
 def _signature(kernel: str, itemsize: int) -> dict:
+    """Argument types as launched: queries, outputs, stores and the step's new tokens in the model's dtype."""
     elem = "*" + ELEMENTS[itemsize]
     if kernel == "partials":
-        return dict(q_ptr="*fp32", aux_ptr="*fp32", seg_ptr="*i64", head_ptr="*i64", work_ptr="*i64",
-                    list_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", elem_ptr=elem, n_rows="i32", q_stride="i32")
-    return dict(q_ptr="*fp32", head_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", tail_k_ptr=elem, tail_v_ptr=elem,
-                len_ptr="*i64", out_ptr="*fp32", n_rows="i32", q_stride="i32", tail_cap="i32", q_len="i32",
-                g0="i32")
+        return dict(q_ptr=elem, aux_ptr="*fp32", seg_ptr="*i64", head_ptr="*i64", work_ptr="*i64",
+                    list_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", elem_ptr=elem, len_ptr="*i64", n_rows="i32",
+                    q_stride="i32", scale="fp32", n_work="i32", advance="i32")
+    return dict(q_ptr=elem, head_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", tail_k_ptr=elem, tail_v_ptr=elem,
+                new_k_ptr=elem, new_v_ptr=elem, len_ptr="*i64", out_ptr=elem, n_rows="i32", q_stride="i32",
+                tail_cap="i32", q_len="i32", g0="i32", scale="fp32", new_k_sh="i32", new_k_st="i32",
+                new_v_sh="i32", new_v_st="i32")
 
 
 def i32_address_multiplies(llir: str) -> int:

@@ -109,20 +109,23 @@ def _online(m_i, l_i, acc, s, v):
     return m_new, l_i, acc
 
 
-@triton.jit
-def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_ptr, ml_ptr, elem_ptr,
-                     n_rows, q_stride, D: tl.constexpr, D_PAD: tl.constexpr, RPM: tl.constexpr, MEMBERS: tl.constexpr,
-                     BLOCK_: tl.constexpr, ESIZE: tl.constexpr):
-    """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor."""
+@triton.jit(do_not_specialize=["n_work", "advance"])
+def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_ptr, ml_ptr, elem_ptr, len_ptr,
+                     n_rows, q_stride, scale, n_work, advance, D: tl.constexpr, D_PAD: tl.constexpr,
+                     RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr):
+    """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor. Program
+    (0, 0) also advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
     w = tl.program_id(0).to(tl.int64)
     gb = tl.program_id(1).to(tl.int64)
+    tl.store(len_ptr, tl.load(len_ptr) + advance, mask=(w == 0) & (gb == 0))
+    real = w < n_work  # a launch with no work item still runs program (0, 0) for the length
     item = work_ptr + w * 6
-    list_start = tl.load(item + 0)
-    count = tl.load(item + 1)
-    t_start = tl.load(item + 2)
-    t_end = tl.load(item + 3)
-    val_addr = tl.load(item + 4)
-    chunk = tl.load(item + 5)
+    list_start = tl.load(item + 0, mask=real, other=0)
+    count = tl.load(item + 1, mask=real, other=0)
+    t_start = tl.load(item + 2, mask=real, other=0)
+    t_end = tl.load(item + 3, mask=real, other=0)
+    val_addr = tl.load(item + 4, mask=real, other=0)
+    chunk = tl.load(item + 5, mask=real, other=0)
     ELEM: tl.constexpr = elem_ptr.dtype.element_ty
     r = tl.arange(0, RPM * MEMBERS)
     member = (r // RPM).to(tl.int64)
@@ -132,7 +135,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     c = tl.arange(0, D_PAD)
     cm = c < D
     q = tl.load(q_ptr + (qh_r * q_stride + g * D)[:, None] + c[None, :], mask=row_ok[:, None] & cm[None, :],
-                other=0.0)
+                other=0.0).to(tl.float32) * scale
     m_i = tl.full((RPM * MEMBERS,), float("-inf"), tl.float32)
     l_i = tl.zeros((RPM * MEMBERS,), tl.float32)
     acc = tl.zeros((RPM * MEMBERS, D_PAD), tl.float32)
@@ -174,11 +177,15 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
 
 
 @triton.jit
-def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, len_ptr, out_ptr, n_rows, q_stride,
-                  tail_cap, q_len, g0, D: tl.constexpr, D_PAD: tl.constexpr, RM: tl.constexpr, BLOCK_: tl.constexpr):
-    """Query head ``qh``'s rows ``gb·RM …``: merge its prompt partials, attend over its decoded tail, normalise."""
+def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, new_k_ptr, new_v_ptr, len_ptr, out_ptr,
+                  n_rows, q_stride, tail_cap, q_len, g0, scale, new_k_sh, new_k_st, new_v_sh, new_v_st,
+                  D: tl.constexpr, D_PAD: tl.constexpr, RM: tl.constexpr, BLOCK_: tl.constexpr):
+    """Query head ``qh``'s rows ``gb·RM …``: merge its prompt partials, attend over its decoded tail (the ``old``
+    tokens in the tail buffer, then the step's ``q_len`` new ones read from ``new_k``/``new_v``, causal among
+    themselves), normalise. Programs ``(qh, 0)`` also write the new tokens into the tail buffer at ``old …``."""
     qh = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1).to(tl.int64) * RM + tl.arange(0, RM)
+    gb = tl.program_id(1).to(tl.int64)
+    g = gb * RM + tl.arange(0, RM)
     ok = g < n_rows
     c = tl.arange(0, D_PAD)
     cm = c < D
@@ -200,18 +207,30 @@ def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, len_
         l_i = l_i * a_old + pl * a_new
         acc = acc * a_old[:, None] + pa * a_new[:, None]
         m_i = m_new
-    tail_len = tl.load(len_ptr)
-    q = tl.load(q_ptr + (qh * q_stride + g * D)[:, None] + c[None, :], mask=both, other=0.0)
-    last = tail_len - q_len + (g0 + g) % q_len  # the newest tail token each query row sees (causal suffix)
-    for t0 in range(0, tail_len, BLOCK_):
+    old = tl.load(len_ptr) - q_len  # the partials launch already advanced the length past this step's tokens
+    q = tl.load(q_ptr + (qh * q_stride + g * D)[:, None] + c[None, :], mask=both, other=0.0).to(tl.float32) * scale
+    for t0 in range(0, old, BLOCK_):
         t = t0 + tl.arange(0, BLOCK_).to(tl.int64)
-        live = t < tail_len
+        live = t < old
         at = (qh * tail_cap + t)[:, None] * D + c[None, :]
         tk = tl.load(tail_k_ptr + at, mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
         tv = tl.load(tail_v_ptr + at, mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(tk), input_precision=DOT_PRECISION)
-        s = tl.where(live[None, :] & (t[None, :] <= last[:, None]), s, float("-inf"))
+        s = tl.where(live[None, :], s, float("-inf"))
         m_i, l_i, acc = _online(m_i, l_i, acc, s, tv)
+    newest = (g0 + g) % q_len  # the newest of the step's tokens each query row sees (causal suffix)
+    for j0 in range(0, q_len, BLOCK_):
+        j = j0 + tl.arange(0, BLOCK_).to(tl.int64)
+        live = (j < q_len)[:, None] & cm[None, :]
+        nk = tl.load(new_k_ptr + (qh * new_k_sh + j * new_k_st)[:, None] + c[None, :], mask=live, other=0.0)
+        nv = tl.load(new_v_ptr + (qh * new_v_sh + j * new_v_st)[:, None] + c[None, :], mask=live, other=0.0)
+        at = (qh * tail_cap + old + j)[:, None] * D + c[None, :]
+        writes = live & ((j * 0 + gb) == 0)[:, None]  # the head's first program writes the tail
+        tl.store(tail_k_ptr + at, nk, mask=writes)
+        tl.store(tail_v_ptr + at, nv, mask=writes)
+        s = tl.dot(q, tl.trans(nk.to(tl.float32)), input_precision=DOT_PRECISION)
+        s = tl.where((j < q_len)[None, :] & (j[None, :] <= newest[:, None]), s, float("-inf"))
+        m_i, l_i, acc = _online(m_i, l_i, acc, s, nv.to(tl.float32))
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (qh * q_stride + g * D)[:, None] + c[None, :], out, mask=both)
 
@@ -223,33 +242,40 @@ def launch_shape(rows_per_head: int) -> tuple[int, int]:
     return rpm, ROWS // rpm
 
 
-def fused_decode(q, aux_scale, tables, elem, tail_keys, tail_values, tail_len, q_len: int, g0: int, out):
-    """``q (QH, n, D)`` float32 (query rows ``g0 … g0 + n − 1`` of each query head) → ``out (QH, n, D)`` float32.
+def fused_decode(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tail_keys, tail_values, tail_len,
+                 q_len: int, g0: int, out, advance: int):
+    """``q (QH, n, D)`` (query rows ``g0 … g0 + n − 1`` of each query head, any float dtype, scaled by ``scale`` in
+    float32 inside the kernels) → ``out (QH, n, D)`` (written in ``out``'s dtype).
 
     ``q`` and ``out`` may be column slices of larger ``(QH, N, D)`` tensors (a suffix's chunk of query rows: read
     and written in place, their head stride passed to the kernels), with the same strides. ``tables``: the
     :class:`~spark_bench.storage.segments.FusedTables` of the batch (its ``members`` must be :func:`launch_shape`'s
     for ``n``); ``elem``: any tensor of the stores' dtype (the element type of the addresses);
-    ``tail_keys``/``tail_values`` ``(QH, capacity, D)`` and ``tail_len`` (a 1-element int64 device tensor: the filled
-    tail length, so the launch's arguments are the same at every step). The caller runs this under the tensors'
-    device (:func:`~spark_bench.storage.dispatch.on_device`)."""
+    ``tail_keys``/``tail_values`` ``(QH, capacity, D)``: the decoded tail, ``tail_len`` a 1-element int64 device
+    tensor (its filled length, so the launch's arguments are the same at every step); ``new_keys``/``new_values``
+    ``(QH, q_len, D)`` (channels contiguous): the step's own tokens, attended from there and written into the tail at
+    the length. The partials launch advances ``tail_len`` by ``advance`` before the merge reads it: ``q_len`` on a
+    layer's first call of a step, 0 on its others (the tail length is then ``old + q_len`` for every merge of the
+    step). The caller runs this under the tensors' device (:func:`~spark_bench.storage.dispatch.on_device`)."""
     import torch
 
     heads, n, d = q.shape
     if q.stride()[1:] != (d, 1) or out.stride() != q.stride():
         raise ValueError("queries and output need rows of D contiguous channels and the same strides")
+    if new_keys.stride(-1) != 1 or new_values.stride(-1) != 1:
+        raise ValueError("the new keys and values need contiguous channels")
     rpm, members = launch_shape(n)
     if tables.members != members:
         raise ValueError(f"tables built for {tables.members} heads per work item, the launch needs {members}")
     d_pad = triton.next_power_of_2(d)
     acc = torch.empty(tables.n_slots, n, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(tables.n_slots, n, 2, dtype=torch.float32, device=q.device)
-    if tables.n_work:
-        _partials_kernel[(tables.n_work, triton.cdiv(n, rpm))](
-            q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, n, q.stride(0), D=d,
-            D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK, ESIZE=elem.element_size(), num_warps=NUM_WARPS,
-            num_stages=1)
+    _partials_kernel[(max(tables.n_work, 1), triton.cdiv(n, rpm))](
+        q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, tail_len, n, q.stride(0),
+        scale, tables.n_work, advance, D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK,
+        ESIZE=elem.element_size(), num_warps=NUM_WARPS, num_stages=1)
     _merge_kernel[(heads, triton.cdiv(n, ROWS))](
-        q, tables.head, acc, ml, tail_keys, tail_values, tail_len, out, n, q.stride(0), tail_keys.shape[1], q_len,
-        g0, D=d, D_PAD=d_pad, RM=ROWS, BLOCK_=BLOCK, num_warps=NUM_WARPS, num_stages=1)
+        q, tables.head, acc, ml, tail_keys, tail_values, new_keys, new_values, tail_len, out, n, q.stride(0),
+        tail_keys.shape[1], q_len, g0, scale, new_keys.stride(0), new_keys.stride(1), new_values.stride(0),
+        new_values.stride(1), D=d, D_PAD=d_pad, RM=ROWS, BLOCK_=BLOCK, num_warps=NUM_WARPS, num_stages=1)
     return out
