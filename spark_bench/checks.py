@@ -56,7 +56,8 @@ def check_options(cfg: DictConfig) -> None:
     """Every top-level key is known (``+typo=1`` is refused) and every run, benchmark, data and memory option has
     its declared type and range (:mod:`spark_bench.options`)."""
     from spark_bench.options import (
-        ANALYSIS_OPTIONS, BENCHMARK_OPTIONS, LONGBENCH_OPTIONS, MEMORY_OPTIONS, RULER_OPTIONS, RUN_OPTIONS, check_all,
+        ANALYSIS_OPTIONS, BENCHMARK_OPTIONS, LONGBENCH_OPTIONS, MEMORY_OPTIONS, MODEL_OPTIONS, RULER_OPTIONS,
+        RUN_OPTIONS, check_all,
     )
 
     known = set(OmegaConf.load(CONF_DIR / "config.yaml")) | {"model", "benchmark", "method", "sweep", "hydra"}
@@ -67,7 +68,7 @@ def check_options(cfg: DictConfig) -> None:
     try:
         check_all(plain, RUN_OPTIONS)
         for prefix, options in (("benchmark.", BENCHMARK_OPTIONS), ("longbench.", LONGBENCH_OPTIONS),
-                                ("ruler.", RULER_OPTIONS), ("memory.", MEMORY_OPTIONS),
+                                ("ruler.", RULER_OPTIONS), ("memory.", MEMORY_OPTIONS), ("model.", MODEL_OPTIONS),
                                 ("analysis.", ANALYSIS_OPTIONS)):
             check_all(plain.get(prefix[:-1]) or {}, options, prefix)
     except ValueError as err:
@@ -147,3 +148,16 @@ def check_group_choices(argv: list[str]) -> None:
         if unknown:
             raise ConfigError(f"{group}={','.join(unknown)}: no such {group} config (conf/{group}/); "
                               f"valid: {', '.join(valid)}")
+
+
+def budget_warnings(samples, configs) -> list[str]:
+    """One line per token budget at or above some samples' prompts (those rows keep the whole prompt: the full
+    cache, under the budget's label), with how many samples and the longest such prompt."""
+    lines = []
+    for budget in sorted({c.budget for c in configs if c.eviction_name is not None and c.budget >= 1}):
+        covered = [len(s.input_ids) for s in samples if len(s.input_ids) <= budget]
+        if covered:
+            lines.append(f"budget={budget:g} is at or above the prompt of {len(covered)} of {len(samples)} samples "
+                         f"(up to {max(covered)} tokens): those rows keep the whole prompt (the full cache), "
+                         f"labelled @{budget:g}")
+    return lines

@@ -22,9 +22,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from spark_bench import hub
+from spark_bench.commandline import compose_jobs
 from spark_bench.checks import (
-    CONF_DIR, PROTOCOL_KEYS, ConfigError, check_file, check_group_choices, check_options, check_output,
-    check_token_ids, cuda_exists, parse_shard, protocol_options, resolve_device,
+    CONF_DIR, PROTOCOL_KEYS, ConfigError, budget_warnings, check_file, check_group_choices, check_options,
+    check_output, check_token_ids, cuda_exists, parse_shard, protocol_options, resolve_device,
 )
 from spark_bench.models import ModelConfig, load_model, resolve_sources
 
@@ -55,8 +56,16 @@ def method_configs(cfg: DictConfig) -> list[MethodConfig]:
         try:
             entry = dict(entry)
             protocol = protocol_options(entry.pop("protocol")) if "protocol" in entry else {}
-            out.append(MethodConfig.from_dict({**base, **protocol, **entry}))
+            values = {**base, **protocol, **entry}
+            unset = values.get("ratio") is None  # required where top-T channels are kept, else 0 (unused)
+            config = MethodConfig.from_dict({**values, "ratio": 0.0} if unset else values)
+            if unset and config.channel_name is not None and config.variant == "fixed":
+                raise ConfigError(f"{where}: {config.name} needs ratio= (the key-channel pruning ratio λ), e.g. "
+                                  f"ratio=0.5 or ratio=0.8 as in the paper")
+            out.append(config)
         except (TypeError, ValueError) as err:
+            if isinstance(err, ConfigError):
+                raise
             raise ConfigError(f"{where}: {err}") from None
     return out
 
@@ -107,7 +116,7 @@ def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tup
         try:
             samples = read_samples(b.data_file)
         except ValueError as err:
-            raise ConfigError(str(err)) from None
+            raise ConfigError(f"benchmark.data_file: {err}") from None
         if not samples:
             raise ConfigError(f"benchmark.data_file: {b.data_file} holds no samples")
         check_token_ids(samples, model, "benchmark.data_file")
@@ -147,7 +156,7 @@ def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tup
                 try:
                     records = read_records(task, cfg.longbench.data_dir, cfg.longbench.e)
                 except (ValueError, FileNotFoundError) as err:
-                    raise ConfigError(str(err)) from None
+                    raise ConfigError(f"longbench.data_dir: {err}") from None
                 if not records:
                     raise ConfigError(f"longbench.data_dir: {task}{'_e' if cfg.longbench.e else ''}.jsonl in "
                                       f"{cfg.longbench.data_dir} holds no records")
@@ -159,11 +168,14 @@ def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tup
         if c.eviction_name is None:
             continue
         tokens = c.budget if c.budget >= 1 else (int(c.budget * length) if length else None)
+        of = f" of benchmark.length={length}" if c.budget < 1 else ""
+        fix = "; raise benchmark.length or the budget" if c.budget < 1 else ""
         if c.eviction_name in WINDOWED and tokens is not None and tokens < c.window_size:
-            raise ConfigError(f"{where}: budget={c.budget:g} ({tokens} tokens) is smaller than the observation "
-                              f"window window_size={c.window_size}")
+            raise ConfigError(f"{where}: budget={c.budget:g}{of} ({tokens} tokens) is smaller than the observation "
+                              f"window window_size={c.window_size}{fix}")
         if c.eviction_name in SINKED and tokens is not None and tokens <= c.n_sink:
-            raise ConfigError(f"{where}: budget={c.budget:g} ({tokens} tokens) must exceed n_sink={c.n_sink}")
+            raise ConfigError(f"{where}: budget={c.budget:g}{of} ({tokens} tokens) must exceed n_sink={c.n_sink}"
+                              f"{fix}")
     return model, configs
 
 
@@ -322,7 +334,10 @@ def _locked(out_dir: Path, wait: bool):
         raise ConfigError(f"run={out_dir.name}: {err}") from None
     try:
         yield
-    finally:
+    except BaseException:  # the lock sees the failure (a run refused before writing anything leaves no lock)
+        if not lock.__exit__(*sys.exc_info()):
+            raise
+    else:
         lock.__exit__(None, None, None)
 
 
@@ -377,7 +392,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
     check_output(out_dir)
     from spark_bench.engine.clock import resident_now, return_freed_memory
     from spark_bench.models import LoadedModel, load_tokenizer
-    from spark_bench.results import ResultsDir, ResultsMismatch
+    from spark_bench.results import DamagedFile, ResultsDir, ResultsMismatch
     from spark_bench import memory
     from spark_bench.runner import run_sweep
 
@@ -399,13 +414,20 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
                     sample.scope_end(scope)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        for line in budget_warnings(samples, configs):
+            print(f"spark-bench: warning: {line}", file=sys.stderr, flush=True)
         payload = run_payload(cfg, text, samples, configs)
         try:
             from spark_bench.methods.pipeline import sweep_labels
 
-            complete = ResultsDir(out_dir, payload).complete([s.id for s in samples], sweep_labels(configs))
+            results = ResultsDir(out_dir, payload)
+            for line in results.check_files(repair=bool(cfg.get("repair", False))):
+                print(f"spark-bench: {line}", flush=True)
+            complete = results.complete([s.id for s in samples], sweep_labels(configs))
         except ResultsMismatch as err:
             raise ConfigError(str(err)) from None
+        except DamagedFile as err:
+            raise ConfigError(f"run={cfg.run}: {err}") from None
         loaded = 0
         if complete:  # nothing to compute: the tables from what is on disk, no model
             lm = text
@@ -450,16 +472,43 @@ def _hydra_main(cfg: DictConfig) -> None:
         fail("spark-bench", cfg, err)
 
 
-def checked(tool: str, entry) -> None:
+def checked(tool: str, entry, check_job=None) -> None:
+    """Run a console script's Hydra ``entry`` once its command line composes (:mod:`spark_bench.commandline`:
+    a bad key is one line, exit 2). A multirun is checked whole first: every job's config through ``check_job``
+    (the checks a job runs before its model loads); one bad job refuses the sweep, one line per bad job."""
     try:
         check_group_choices(sys.argv[1:])
+        jobs = compose_jobs(sys.argv[1:])
+        if check_job is not None and len(jobs) > 1:
+            check_sweep(jobs, check_job)
     except ConfigError as err:
         fail(tool, None, err)
     entry()
 
 
+def check_sweep(jobs: list[tuple[list[str], DictConfig]], check_job) -> None:
+    """Raise one :class:`ConfigError` listing each job of a sweep that ``check_job`` refuses (by the overrides
+    that vary between jobs), so no job runs."""
+    common = set.intersection(*(set(overrides) for overrides, _ in jobs))
+    varying = {o.split("=", 1)[0] for overrides, _ in jobs for o in overrides if o not in common}
+    bad = []
+    for i, (overrides, cfg) in enumerate(jobs):
+        try:
+            check_job(cfg)
+        except ConfigError as err:
+            shown = " ".join(o for o in overrides if o.split("=", 1)[0] in varying) or " ".join(overrides)
+            bad.append(f"multirun job {i} ({shown}): {err}")
+    if bad:
+        raise ConfigError("\n".join([f"the sweep runs no job: {len(bad)} of {len(jobs)} jobs refused"] + bad))
+
+
+def _check_run_job(cfg: DictConfig) -> None:
+    validate(cfg)
+    check_output(Path(cfg.output_root) / cfg.run)
+
+
 def main() -> None:
-    checked("spark-bench", _hydra_main)
+    checked("spark-bench", _hydra_main, _check_run_job)
 
 
 if __name__ == "__main__":

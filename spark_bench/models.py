@@ -65,6 +65,9 @@ class ModelConfig:
     def __post_init__(self):
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
+        if self.source == "random" and self.path:
+            raise ValueError(f"path: model {self.name} has random weights (source=random) and reads no path; "
+                             f"choose a model with weights, e.g. model=llama3-8b model.path={self.path}")
         if isinstance(self.device_map, str) and self.device_map not in DEVICE_MAPS:
             raise ValueError(f"device_map must be null, one of {', '.join(DEVICE_MAPS)}, or a {{module: device}} "
                              f"map; got {self.device_map!r}")
@@ -211,7 +214,7 @@ def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
 
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
-    root = Path(os.environ.get("SPARK_BENCH_CACHE") or Path.home() / ".cache" / "spark_bench") / "tokenizers"
+    root = _cache_root() / "tokenizers"
     cached = root / key.hexdigest()[:20]
     if (cached / "tokenizer_config.json").is_file():
         try:
@@ -258,9 +261,45 @@ def resolve_sources(cfg: ModelConfig) -> ModelConfig:
         cfg = replace(cfg, path=where(cfg.path, "model.path"))
         if Path(cfg.path).is_dir():
             check_model_dir(Path(cfg.path))
+    gguf_files = [("model.path", cfg.path, cfg.package)] if cfg.source == "gguf" else []
+    if cfg.source == "random" and cfg.tokenizer and cfg.tokenizer.get("source") == "gguf":
+        gguf_files.append(("model.tokenizer.path", cfg.tokenizer.get("path"), cfg.tokenizer.get("package")))
+    for key, path, package in gguf_files:  # a missing file raises FileNotFoundError (named by load_model / cli)
+        check_gguf(Path(os.path.join(*gguf_location(path, package))), key)
     if cfg.source == "random" and cfg.tokenizer and cfg.tokenizer.get("source") == "hub":
         cfg = replace(cfg, tokenizer={**cfg.tokenizer, "path": where(cfg.tokenizer["path"], "model.tokenizer.path")})
     return cfg
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("SPARK_BENCH_CACHE") or Path.home() / ".cache" / "spark_bench")
+
+
+def check_gguf(file: Path, key: str) -> None:
+    """``file`` is a whole GGUF file: gguf's own reader parses its header, metadata and every tensor's place in the
+    file (a truncated or damaged file fails there in milliseconds to seconds, not in a traceback from the model
+    loader). The verdict is kept under the cache, keyed by the file's path, size and time, so a file costs its
+    ~2 s once. Raises :class:`~spark_bench.hub.HubUnavailable` (one line naming ``key`` and the file)."""
+    import hashlib
+
+    from gguf import GGUFReader
+
+    stat = file.stat()
+    stamp = _cache_root() / "gguf-checked" / hashlib.sha256(
+        f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:20]
+    if stamp.exists():
+        return
+    try:
+        GGUFReader(file)
+    except Exception as err:  # noqa: BLE001 — the reader raises ValueError/IndexError/... on damaged files
+        reason = (str(err).splitlines() or [type(err).__name__])[0][:160]
+        raise hub.HubUnavailable(f"{key}: {file} is not a complete GGUF file ({type(err).__name__}: {reason}); "
+                                 f"download or reinstall it") from None
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+    except OSError:
+        pass  # an unwritable cache only costs the check next time
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")

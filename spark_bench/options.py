@@ -28,6 +28,7 @@ class Option:
     null: str = ""
     nonempty: bool = False
     items: "Option | None" = None  # a list's elements
+    whole_from: float | None = None  # numbers at or above this must be whole (a budget: a fraction, or tokens)
 
     def valid(self) -> str:
         """What is valid, in words."""
@@ -48,6 +49,8 @@ class Option:
             if self.high is not None:
                 bounds.append(f"{'<' if self.open_high else '<='} {self.high:g}")
             text = noun + (" " + " and ".join(bounds) if bounds else "")
+            if self.whole_from is not None:
+                text += f", whole at or above {self.whole_from:g}"
         return text + (f", or null ({self.null})" if self.nullable else "")
 
     def accepts(self, value) -> bool:
@@ -65,6 +68,8 @@ class Option:
         if isinstance(value, bool) or not isinstance(value, int if self.kind == "int" else (int, float)):
             return False
         if self.odd and value % 2 == 0:
+            return False
+        if self.whole_from is not None and value >= self.whole_from and value != int(value):
             return False
         if self.low is not None and (value <= self.low if self.open_low else value < self.low):
             return False
@@ -92,7 +97,7 @@ RUN_OPTIONS = {
     "decode_batch": Option("int", 1, nullable=True, null="all rows of a decode group together"),
     "decode_samples": POSITIVE_INT,
     "output_root": Option("str", nonempty=True), "run": Option("str", nonempty=True),
-    "wait_lock": Option("bool"),
+    "wait_lock": Option("bool"), "repair": Option("bool"),
     "hub_timeout_s": Option("number", 0, open_low=True),
 }
 BENCHMARK_OPTIONS = {
@@ -107,6 +112,12 @@ LONGBENCH_OPTIONS = {
     "rouge_backend": Option("str", choices=("rouge", "rouge_score")),
 }
 RULER_OPTIONS = {"system_prompt": Option("bool")}
+MODEL_OPTIONS = {  # conf/model/*.yaml keys a user overrides (ModelConfig checks its placement keys itself)
+    "dtype": Option("str", choices=("float32", "bfloat16", "float16")), "max_length": POSITIVE_INT,
+    "longbench_max_length": Option("int", 1, nullable=True, null="max_length − 500"),
+    "chat_template": Option("bool"), "seed": Option("int"),
+    "attn_implementation": Option("str", choices=("sdpa", "eager", "flash_attention_2")),
+}
 MEMORY_OPTIONS = {
     "check": Option("bool"),
     "limit_gib": Option("number", 0, open_low=True, nullable=True, null="each device's free memory"),

@@ -139,7 +139,8 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
         raise ValueError(f"duplicate sample ids: {sorted({i for i in ids if ids.count(i) > 1})[:5]}")
     pipelines = [Pipeline.from_config(c, label) for c, label in zip(configs, labels)]
     results = ResultsDir(out_dir, payload or default_payload(lm, samples, configs))
-    done = {(r["id"], r["config"]): r for r in results.open()}
+    done = {(r["id"], r["config"]): r for r in results.open({"samples": [[s.id, s.task] for s in samples],
+                                                              "configs": labels})}
     timing = {(r["id"], r["config"]): r for r in read_complete_lines(results.timings)}
     resumed = sum((s.id, label) in done for s in samples for label in labels)
     if resumed:

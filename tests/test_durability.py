@@ -82,9 +82,21 @@ def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
     proc.wait()
     partial = predictions.read_text().splitlines()
     assert 2 <= len(partial) < 6 and not (tmp_path / "killed" / "table.md").exists()
-    resumed = cli(_sweep_args(tmp_path, "killed"), cwd=tmp_path)
+    _report_says_the_run_is_incomplete(tmp_path / "killed", len(partial))
+    # a damaged middle line: the resume names it and refuses (nothing changed), repair=true moves it aside
+    lines = predictions.read_bytes().split(b"\n")
+    lines[0] = lines[0][:40]
+    predictions.write_bytes(b"\n".join(lines))
+    before = {p: p.read_bytes() for p in (tmp_path / "killed").iterdir() if p.name != ".lock"}
+    refused = cli(_sweep_args(tmp_path, "killed"), cwd=tmp_path)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
+    assert f"run=killed: {predictions}:1: not a JSON record (Unterminated string" in refused.stderr
+    assert "rerun with repair=true" in refused.stderr
+    assert {p: p.read_bytes() for p in (tmp_path / "killed").iterdir() if p.name != ".lock"} == before
+    resumed = cli([*_sweep_args(tmp_path, "killed"), "repair=true"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"{len(partial)} of 6 predictions already done" in resumed.stdout
+    assert f"{len(partial) - 1} of 6 predictions already done" in resumed.stdout
+    assert (tmp_path / "killed" / "predictions.jsonl.damaged").read_bytes() == lines[0] + b"\n"
     for name in ("predictions.jsonl", "scores.csv", "table.md"):  # byte-identical to the uninterrupted run
         assert (tmp_path / "killed" / name).read_bytes() == (uninterrupted / name).read_bytes()
     timings = [json.loads(line) for line in (tmp_path / "killed" / "timings.jsonl").read_text().splitlines()]
@@ -94,6 +106,21 @@ def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
     assert "6 of 6 predictions already done" in again.stdout
     other = cli([*_sweep_args(tmp_path, "killed"), "ratio=0.5"], cwd=tmp_path)
     assert other.returncode == 2 and "holds results of a different configuration (differs in: configs" in other.stderr
+
+
+def _report_says_the_run_is_incomplete(run: Path, done: int) -> None:
+    import re
+
+    from spark_bench.report import main as report
+
+    out = subprocess.run([sys.executable, "-c", "from spark_bench.report import main; main()", str(run), "--layout",
+                          "ruler"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"incomplete: {run}: {done} of 6 predictions (" in out.stderr and "configs missing some)" in out.stderr
+    assert "**Incomplete:" in out.stdout and re.search(r"\d\*", out.stdout)  # the cells marked
+    with pytest.raises(SystemExit) as refused:
+        report([str(run), "--layout", "ruler", "--require-complete"])
+    assert refused.value.code == 2
 
 
 def test_same_seed_same_bytes(tmp_path, uninterrupted):

@@ -140,23 +140,27 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, answer_pre
 
 
 def read_jsonl(path: Path, required: tuple[str, ...], what: str, check=None) -> list[dict]:
-    """The records of every non-blank line; a line that is not valid JSON, lacks a ``required`` field or fails
-    ``check(record) -> error text | None`` raises ``ValueError`` naming the file and line (``what`` names the
-    record kind in the message)."""
+    """The records of every non-blank line; a line that is not UTF-8 text or valid JSON, lacks a ``required`` field
+    or fails ``check(record) -> error text | None`` raises ``ValueError`` naming the file and line (``what`` names
+    the record kind in the message)."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            missing = [k for k in required if k not in record] if isinstance(record, dict) else list(required)
-            if missing:
-                raise ValueError(f"{path}:{lineno}: {what} lacks field(s) {missing}")
-            problem = check(record) if check else None
-            if problem:
-                raise ValueError(f"{path}:{lineno}: {problem}")
-            records.append(record)
+    for lineno, raw in enumerate(Path(path).read_bytes().split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                             f"{err.start + 1}): is it a JSON-lines file?") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        missing = [k for k in required if k not in record] if isinstance(record, dict) else list(required)
+        if missing:
+            raise ValueError(f"{path}:{lineno}: {what} lacks field(s) {missing}")
+        problem = check(record) if check else None
+        if problem:
+            raise ValueError(f"{path}:{lineno}: {problem}")
+        records.append(record)
     return records

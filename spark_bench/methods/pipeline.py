@@ -66,7 +66,7 @@ CHOICES = {"compress_scope": COMPRESS_SCOPES, "saliency": SALIENCY_MODES, "recov
 
 # every method option's type and range (:mod:`spark_bench.options`), checked when a MethodConfig is made
 OPTION_TYPES = {
-    "budget": Option("number", 0, open_low=True),  # tokens (>= 1) or a fraction of the prompt (< 1)
+    "budget": Option("number", 0, open_low=True, whole_from=1),  # tokens (whole, >= 1) or a fraction (< 1)
     "ratio": FRACTION, "value_ratio": FRACTION,
     "window_size": POSITIVE_INT, "channel_window": Option("int", 1, nullable=True, null="window_size"),
     "kernel_size": Option("int", 1, odd=True),  # SnapKV's pooling keeps a token's neighbours on both sides

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from spark_bench.report import stats
-from spark_bench.report.frame import read_paper_csv, read_runs, read_sample_scores
+from spark_bench.report.frame import completeness, read_paper_csv, read_runs, read_sample_scores
 from spark_bench.report.layouts import LAYOUTS, Layout
 from spark_bench.report.paper import paper_table, paper_tables
 from spark_bench.report.render import to_csv, to_latex, to_markdown
@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="directory for table.md / table.csv / table.tex (and figures)")
     parser.add_argument("--name", default="table", help="file stem of the written tables")
     parser.add_argument("--figures", action="store_true", help="also write Fig. 5a/5c PNGs from the runs")
+    parser.add_argument("--require-complete", action="store_true",
+                        help="exit 2 when a run has not computed every prediction it set out to (else: said above "
+                             "the tables, its cells marked *)")
     args = parser.parse_args(argv)
     try:
         if args.check:
@@ -76,11 +79,18 @@ def main(argv: list[str] | None = None) -> None:
         if paper is not None and layout.name in ("dist", "variants"):  # ablation rows carry no base-method group
             paper = paper.assign(group="")
         runs = [i for i in args.inputs if not i.startswith("paper:")]
+        incomplete = [f"incomplete: {run}: {note}" for run in runs if (note := completeness(run))]
+        if incomplete and args.require_complete:
+            raise ValueError(f"{incomplete[0]} (--require-complete)")
         samples = read_sample_scores(runs, layout) if runs and (args.ci or args.claims) else None
     except (FileNotFoundError, ValueError, KeyError) as err:
         print(f"spark-bench-report: error: {err}", file=sys.stderr)
         sys.exit(2)
+    for line in incomplete:
+        print(f"spark-bench-report: warning: {line}", file=sys.stderr)
+    header = "".join(f"**{line[0].upper()}{line[1:]}**\n\n" for line in incomplete)
     outputs = {f"{args.name}.{ext}": render(frame, layout, paper) for ext, render in FORMATS.items()}
+    outputs[f"{args.name}.md"] = header + outputs[f"{args.name}.md"]
     print(outputs[f"{args.name}.md"])
     if samples is not None and args.ci and layout.name != "longbench_e":
         from spark_bench.report.compare import paired_frame, paired_markdown

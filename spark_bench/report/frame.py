@@ -7,7 +7,6 @@ implicit in row order; :func:`read_paper_csv` restores it).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pandas as pd
 from spark_bench.methods.pipeline import DISPLAY, tell_apart
 from spark_bench.report.layouts import Layout
 from spark_bench.report.paper import paper_table
+from spark_bench.results import parse_records, read_manifest
 
 COLUMNS = ["block", "group", "method", "column", "value"]
 _LATEX = re.compile(r"^(?:\\[A-Za-z]+(?:\{[^}]*\}|[\d-]+)?\s*)+")
@@ -115,7 +115,7 @@ def _load(directory) -> pd.DataFrame:
     path = Path(directory) / "predictions.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{directory}: no predictions.jsonl (not a spark-bench results directory)")
-    return pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+    return pd.DataFrame(parse_records(path, path.read_bytes()))
 
 
 def ablation_cell(m: dict, kind: str) -> tuple[str, str, str] | None:
@@ -161,20 +161,53 @@ def read_ablation(directories, kind: str) -> pd.DataFrame:
     return pd.concat([frame[~ratio], merged], ignore_index=True)[COLUMNS]
 
 
+def expected(directory) -> dict | None:
+    """What a run set out to compute (its manifest's ``expected``: ``samples`` as ``[id, task]`` pairs and config
+    ``configs`` labels), or None where the manifest does not say (runs written before it did, merged shards)."""
+    path = Path(directory) / "manifest.json"
+    if not path.exists():
+        return None
+    return read_manifest(path).get("expected")
+
+
+def completeness(directory, preds: pd.DataFrame | None = None) -> str | None:
+    """``"N of M predictions (K samples, L configs missing)"`` for a run that has not finished; None when every
+    expected prediction is there (or the run does not say what it expected)."""
+    plan = expected(directory)
+    if plan is None:
+        return None
+    preds = _load(directory) if preds is None else preds
+    done = set(zip(preds.id, preds.config))
+    wanted = [(i, c) for i, _ in plan["samples"] for c in plan["configs"]]
+    missing = [(i, c) for i, c in wanted if (i, c) not in done]
+    if not missing:
+        return None
+    samples, configs = {i for i, _ in missing}, {c for _, c in missing}
+    return (f"{len(wanted) - len(missing)} of {len(wanted)} predictions ({len(samples)} of {len(plan['samples'])} "
+            f"samples, {len(configs)} of {len(plan['configs'])} configs missing some)")
+
+
 def read_runs(directories, layout: Layout) -> pd.DataFrame:
-    """Mean score per (config, task) of every run directory, in the long format, plus ``KV %`` and ``Key ratio``."""
+    """Mean score per (config, task) of every run directory, in the long format, plus ``KV %`` and ``Key ratio``;
+    ``n`` samples per cell, ``partial`` where a stopped run lacks some of the cell's expected samples."""
     if layout.name in ("dist", "variants"):
         return read_ablation(directories, layout.name)
     rows = []
     for directory in directories:
         preds = _load(directory)
+        plan = expected(directory)
+        per_task = pd.Series([t for _, t in plan["samples"]]).value_counts().to_dict() if plan else {}
         for group, block, base, method in config_rows(preds):
+            short = False
             for task, scores in group.groupby("task", sort=False):
                 column = (layout.task_names or {}).get(task, task)
-                rows.append((block, base, method, column, scores.score.mean(), len(scores)))
-            rows.append((block, base, method, "KV %", 100 * (group.kv_bytes / group.kv_bytes_full).mean(), len(group)))
-            rows.append((block, base, method, "Key ratio", group.key_ratio.mean(), len(group)))
-    return pd.DataFrame(rows, columns=[*COLUMNS, "n"])
+                partial = len(scores) < per_task.get(task, 0)
+                short |= partial
+                rows.append((block, base, method, column, scores.score.mean(), len(scores), partial))
+            for column, value in (("KV %", 100 * (group.kv_bytes / group.kv_bytes_full).mean()),
+                                  ("Key ratio", group.key_ratio.mean())):
+                rows.append((block, base, method, column, value, len(group), short))
+    return pd.DataFrame(rows, columns=[*COLUMNS, "n", "partial"])
 
 
 SAMPLE_COLUMNS = ["block", "group", "method", "column", "id", "score", "kv_bytes", "kv_bytes_full", "key_ratio",

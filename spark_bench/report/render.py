@@ -77,8 +77,17 @@ def sample_counts(frame: pd.DataFrame) -> str:
     return f"Samples per cell: {lo}." if lo == hi else f"Samples per cell: {lo}–{hi} (see the CSV's n column)."
 
 
-def _cell(ours, paper, side_by_side: bool, half_width=None) -> str:
+def partial_cells(frame: pd.DataFrame) -> set:
+    """Cells whose run stopped before all their samples were computed (marked ``*``)."""
+    if "partial" not in frame:
+        return set()
+    flagged = frame[frame.partial.fillna(False).astype(bool)]
+    return set(zip(flagged.block, flagged.group, flagged.method, flagged.column))
+
+
+def _cell(ours, paper, side_by_side: bool, half_width=None, partial: bool = False) -> str:
     text = _fmt(ours) if half_width is None else f"{_fmt(ours)} ± {_fmt(half_width)}"
+    text += "*" if partial else ""
     if not side_by_side or paper is None or (isinstance(paper, float) and math.isnan(paper)):
         return text
     return f"{text} ({_fmt(paper)}, {ours - paper:+.2f})"
@@ -87,6 +96,7 @@ def _cell(ours, paper, side_by_side: bool, half_width=None) -> str:
 def to_markdown(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = None) -> str:
     rows, columns, cells = table(frame, layout)
     ci = intervals(frame)
+    short = partial_cells(frame)
     ref = table(paper, layout)[2] if paper is not None else {}
     lines = []
     if layout.groups:
@@ -101,8 +111,11 @@ def to_markdown(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None 
             if block:
                 lines.append(f"| **{block}** |" + " |" * len(columns))
         lines.append(f"| {row[2]} | " + " | ".join(_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None,
-                                                        ci.get((*row, c))) for c in columns) + " |")
+                                                        ci.get((*row, c)), (*row, c) in short) for c in columns)
+                     + " |")
     notes = []
+    if short:
+        notes.append("* The run stopped before every sample of these cells was computed (incomplete).")
     if ci:
         notes.append("Cells: mean ± half-width of a seeded 95% bootstrap interval (samples resampled within each "
                      "task; Avg. resamples every task at once).")
@@ -117,7 +130,7 @@ def to_csv(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = Non
     """The paper CSVs' own long format (``block,method,column,value``) at full precision, plus ``n`` (and the
     interval's ``low,high``) when the frame has them, and ``paper,delta`` when comparing."""
     rows, columns, cells = table(frame, layout)
-    extra = [c for c in ("n", "low", "high") if c in frame]
+    extra = [c for c in ("n", "partial", "low", "high") if c in frame]
     stats = {(b, g, m, c): dict(zip(extra, values)) for (b, g, m, c), *values
              in zip(zip(frame.block, frame.group, frame.method, frame.column), *(frame[e] for e in extra))}
     ref = table(paper, layout)[2] if paper is not None else {}
@@ -147,6 +160,7 @@ def latex_escape(text: str) -> str:
 def to_latex(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = None) -> str:
     rows, columns, cells = table(frame, layout)
     ci = intervals(frame)
+    short = partial_cells(frame)
     ref = table(paper, layout)[2] if paper is not None else {}
     lines = [r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule"]
     if layout.groups:
@@ -161,8 +175,8 @@ def to_latex(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = N
             if block:
                 name = latex_escape(block)
                 lines.append(rf"\midrule \multicolumn{{{len(columns) + 1}}}{{l}}{{\textit{{{name}}}}} \\")
-        values = [latex_escape(_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None, ci.get((*row, c))))
-                  .replace("±", r"$\pm$") for c in columns]
+        values = [latex_escape(_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None, ci.get((*row, c)),
+                                     (*row, c) in short)).replace("±", r"$\pm$") for c in columns]
         lines.append(latex_escape(row[2]) + " & " + " & ".join(values) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ from functools import lru_cache
 from transformers import PreTrainedTokenizerBase
 
 from spark_bench.benchmarks.base import encode_prompt
-from spark_bench.benchmarks.ruler.fit import largest_fitting, make_sample, shrink_to_fit
+from spark_bench.benchmarks.ruler.fit import largest_fitting, make_sample, shrink_to_fit, too_short
 
 TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones "
             "that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?")
@@ -66,7 +66,7 @@ def generate_cwe(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: i
     units = largest_fitting(lambda n: len(encode(n, random.Random(f"{seed}-cwe-probe"))[0]) <= budget, limit,
                             least=NUM_CW)
     if units < NUM_CW:
-        raise ValueError(f"RULER cwe: length {length} is too short for the few-shot example and 10 words")
+        raise too_short("cwe", length, len(encode(NUM_CW, random.Random(f"{seed}-cwe-probe"))[0]), TOKENS_TO_GENERATE)
     samples = []
     for index in range(num_samples):
         ids, answer, used = shrink_to_fit(lambda n: encode(n, random.Random(f"{seed}-cwe-{index}")), units, step,

@@ -40,3 +40,11 @@ def make_sample(task: str, index: int, prompt: Prompt, answers, tokens_to_genera
     return Sample(task=task, id=f"{task}-{index}", input_ids=tuple(prompt.ids), answers=tuple(answers),
                   max_new_tokens=max_new_tokens or tokens_to_generate, metric=metric, meta=meta,
                   context_end=prompt.context_end, question_end=prompt.question_end)
+
+
+def too_short(task: str, length: int, smallest: int, generate: int) -> ValueError:
+    """The refusal of a length a task cannot fit: its smallest prompt (``smallest`` tokens) plus the tokens kept
+    for the answer (``generate``), naming the key that fixes it."""
+    return ValueError(f"benchmark.length={length} is too short for RULER {task}: its smallest prompt takes "
+                      f"{smallest} tokens and {generate} are kept for the answer; use benchmark.length >= "
+                      f"{smallest + generate}")

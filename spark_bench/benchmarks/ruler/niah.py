@@ -19,7 +19,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from spark_bench.benchmarks.base import Sample, encode_prompt, question_start
-from spark_bench.benchmarks.ruler.fit import largest_fitting, shrink_to_fit
+from spark_bench.benchmarks.ruler.fit import largest_fitting, shrink_to_fit, too_short
 from spark_bench.benchmarks.ruler.haystack import NOISE, corpus_name, essay_words, split_sentences
 
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
@@ -147,7 +147,7 @@ def generate_niah(name: str, tokenizer: PreTrainedTokenizerBase, length: int, nu
     limit = 1 << 24  # words (essay, repeated as needed) or sentences: the prompt budget stops the search first
     found = largest_fitting(fits, limit)
     if found == 0:
-        raise ValueError(f"RULER {name}: length {length} is too short for even the smallest haystack")
+        raise too_short(name, length, len(encode(1, random.Random(f"{seed}-{name}-probe"))[0]), TOKENS_TO_GENERATE)
 
     samples = []
     for index in range(num_samples):

@@ -19,7 +19,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from spark_bench.benchmarks.base import encode_prompt
-from spark_bench.benchmarks.ruler.fit import largest_fitting, make_sample
+from spark_bench.benchmarks.ruler.fit import largest_fitting, make_sample, too_short
 
 TEMPLATE = ("Answer the question based on the given documents. Only give me the answer and do not output any other "
             "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
@@ -127,7 +127,7 @@ def generate_qa(task: str, dataset: str, source, tokenizer: PreTrainedTokenizerB
 
     num_docs = largest_fitting(lambda n: len(encode(0, n)[0]) <= budget, 4 * len(docs))
     if num_docs == 0:
-        raise ValueError(f"RULER {task}: length {length} is too short for one document")
+        raise too_short(task, length, len(encode(0, 1)[0]), TOKENS_TO_GENERATE)
     samples = []
     for index in range(num_samples):
         used = num_docs

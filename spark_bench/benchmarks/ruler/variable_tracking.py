@@ -16,7 +16,7 @@ import string
 from transformers import PreTrainedTokenizerBase
 
 from spark_bench.benchmarks.base import encode_prompt
-from spark_bench.benchmarks.ruler.fit import largest_fitting, make_sample, shrink_to_fit
+from spark_bench.benchmarks.ruler.fit import largest_fitting, make_sample, shrink_to_fit, too_short
 from spark_bench.benchmarks.ruler.haystack import NOISE
 
 TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
@@ -92,7 +92,7 @@ def generate_vt(tokenizer: PreTrainedTokenizerBase, length: int, num_samples: in
     least = NUM_HOPS + 1  # the chain needs that many noise lines to sit between
     units = largest_fitting(lambda n: len(encode(n, random.Random(f"{seed}-vt-probe"))[0]) <= budget, least=least)
     if units < least:
-        raise ValueError(f"RULER vt: length {length} is too short for the one-shot example and one step")
+        raise too_short("vt", length, len(encode(least, random.Random(f"{seed}-vt-probe"))[0]), TOKENS_TO_GENERATE)
     samples = []
     for index in range(num_samples):
         ids, answer, used = shrink_to_fit(lambda n: encode(n, random.Random(f"{seed}-vt-{index}")), units, step,
