@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from spark_bench.results import TIMING_FIELDS, atomic_write, read_complete_lines
+from spark_bench.results import TIMING_FIELDS, atomic_write, read_complete_lines, read_manifest
 from spark_bench.tables import render_markdown, summarize
 
 SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)$")
@@ -28,7 +28,7 @@ def merge_shards(directory: Path) -> int:
     for _, _, path in shards:
         if not (path / "table.md").exists():
             raise ValueError(f"{path}: shard not finished (no table.md); rerun it to resume")
-        payload = json.loads((path / "manifest.json").read_text())["payload"]
+        payload = read_manifest(path / "manifest.json")["payload"]
         payloads.append({k: v for k, v in payload.items() if k not in ("samples", "shard")})
     if any(p != payloads[0] for p in payloads):
         raise ValueError(f"{directory}: shards were produced by different configurations")

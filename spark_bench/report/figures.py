@@ -7,10 +7,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
+
+from spark_bench.results import parse_records
 
 
 def pyplot():
@@ -34,8 +35,8 @@ def save(fig, path: Path) -> Path:
 def load_predictions(directories) -> pd.DataFrame:
     frames = []
     for directory in directories:
-        lines = (Path(directory) / "predictions.jsonl").read_text().splitlines()
-        frames.append(pd.DataFrame([json.loads(line) for line in lines if line.strip()]))
+        path = Path(directory) / "predictions.jsonl"
+        frames.append(pd.DataFrame(parse_records(path, path.read_bytes())))
     preds = pd.concat(frames, ignore_index=True)
     method = pd.DataFrame(list(preds.method))
     return preds.assign(name=method.name, ratio=method.ratio, recovery=method.recovery, budget=method.budget)
