@@ -10,7 +10,7 @@ with ``model.generate``, holding the compact stores (their true bytes), not a de
     out = spark_bench.generate(lm.model, context, max_new_tokens=32)   # model.generate(...) underneath
     answers = spark_bench.ask(lm.model, context_text, [q1, q2], config, tokenizer=lm.tokenizer)
 
-The harness's runner compresses with the same two steps (:func:`prefill_for`, :func:`compress_prefill`), so a
+The harness's runner compresses with the same two steps (:mod:`spark_bench.engine.compress`), so a
 library call and a harness run of the same prompt and config give the same tokens (tests check it across the method
 matrix). Nothing global is changed: :func:`generate` switches the model's attention and puts its hooks on for the
 call only (:mod:`spark_bench.engine.generate`).
@@ -25,10 +25,10 @@ from omegaconf import OmegaConf
 
 from spark_bench.benchmarks.base import Prompt, Sample, encode_prompt
 from spark_bench.checks import CONF_DIR, protocol_options
+from spark_bench.engine.compress import compress_prefill, prefill_for
 from spark_bench.engine.generate import CompressedContext, generate
-from spark_bench.engine.prefill import Prefill, run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
-from spark_bench.methods.pipeline import sweep_labels
+from spark_bench.methods.pipeline import ratio_needed, sweep_labels
 from spark_bench.models import LoadedModel, ModelConfig, load_model
 
 __all__ = ["CompressedContext", "ask", "compress", "generate", "load", "method", "prompt"]
@@ -38,8 +38,14 @@ def method(name: str = "full", protocol: str | None = "official", **options) -> 
     """A method config from the command line's names and options: ``method("snapkv+spark", ratio=0.8,
     budget=0.2)`` is ``spark-bench method=snapkv+spark ratio=0.8 budget=0.2``. ``protocol`` (default ``official``, as
     on the command line; None: none) sets its options first (``conf/protocol/<name>.yaml``); ``options`` win.
-    A bad name or value raises ``ValueError`` with the command line's message."""
-    return MethodConfig.from_dict({**(protocol_options(protocol) if protocol else {}), **options, "name": name})
+    A bad name or value raises ``ValueError`` with the command line's message; so does a fixed-T ``+think`` /
+    ``+spark`` method without ``ratio`` (:func:`~spark_bench.methods.pipeline.ratio_needed`: ``ratio=0`` said
+    explicitly is the base method)."""
+    values = {**(protocol_options(protocol) if protocol else {}), **options, "name": name}
+    config = MethodConfig.from_dict(values)
+    if "ratio" not in values and ratio_needed(config):
+        raise ValueError(ratio_needed(config))
+    return config
 
 
 def prompt(tokenizer, context: str, question: str = "", answer_prefix: str = "", chat_template: bool | str = True,
@@ -62,31 +68,6 @@ def load(name: str = "smollm2-135m", device: str = "auto", **overrides) -> Loade
         raise ValueError(f"model {name!r}: no such model config (conf/model/); valid: {valid}")
     values = {**OmegaConf.to_container(OmegaConf.load(path), resolve=True), **overrides}
     return load_model(ModelConfig.from_dict(values), device)
-
-
-def prefill_for(model: torch.nn.Module, input_ids, pipelines: list[Pipeline], ends: list[int]) -> Prefill:
-    """One full-cache prefill of ``input_ids`` that serves every pipeline, whatever prefix (``ends``) it compresses:
-    the largest observation window, the query statistics an eviction needs, raw queries where a config asks."""
-    window = max([p.config.observation_window for p in pipelines] + [1])
-    specs = {p.query_stats for p in pipelines} - {None}
-    if len(specs) > 1:
-        raise ValueError(f"one prefill cannot serve several query-statistics settings {sorted(map(str, specs))} "
-                         "(n_sink)")
-    ids = torch.tensor([list(input_ids)], device=model.get_input_embeddings().weight.device)
-    raw = any(not p.config.window_q_norm for p in pipelines)
-    return run_prefill(model, ids, window, query_stats=next(iter(specs), None), ends=tuple(set(ends)),
-                       raw_queries=raw)
-
-
-def compress_prefill(prefill: Prefill, pipeline: Pipeline, input_ids, end: int,
-                     selections: dict | None = None) -> CompressedContext:
-    """Compress the first ``end`` tokens of a prefill of ``input_ids`` under ``pipeline``. ``selections``: one dict
-    per prefill, shared by its configs (token selections are computed once per eviction method and prefix)."""
-    view = prefill.at(end, pipeline.config.window_q_norm)
-    memo = None if selections is None else selections.setdefault(id(view), {})
-    cache, seconds = pipeline.build_cache(view, selections=memo)
-    return CompressedContext(cache, tuple(input_ids), end, view.first_logits, prefill.dense_kv_bytes(),
-                             pipeline.config, pipeline.label, prefill.seconds, seconds)
 
 
 def _as_prompt(value) -> Prompt:

@@ -47,6 +47,7 @@ def method_configs(cfg: DictConfig) -> list[MethodConfig]:
     entry, each overriding the top-level options. An entry's ``protocol: <name>`` puts that protocol's options
     under the entry's own (so one sweep can compare protocols over one shared prefill)."""
     from spark_bench.methods import MethodConfig
+    from spark_bench.methods.pipeline import ratio_needed
 
     base = {k: cfg[k] for k in method_options()}
     entries = [{"name": cfg.method.name}] if cfg.get("method") else OmegaConf.to_container(cfg.sweep.configs)
@@ -59,9 +60,8 @@ def method_configs(cfg: DictConfig) -> list[MethodConfig]:
             values = {**base, **protocol, **entry}
             unset = values.get("ratio") is None  # required where top-T channels are kept, else 0 (unused)
             config = MethodConfig.from_dict({**values, "ratio": 0.0} if unset else values)
-            if unset and config.channel_name is not None and config.variant == "fixed":
-                raise ConfigError(f"{where}: {config.name} needs ratio= (the key-channel pruning ratio λ), e.g. "
-                                  f"ratio=0.5 or ratio=0.8 as in the paper")
+            if unset and ratio_needed(config):
+                raise ConfigError(f"{where}: {ratio_needed(config)}")
             out.append(config)
         except (TypeError, ValueError) as err:
             if isinstance(err, ConfigError):

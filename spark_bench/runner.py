@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm.auto import tqdm
 
-from spark_bench.api import compress_prefill, prefill_for
+from spark_bench.engine.compress import compress_prefill, prefill_for
 from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.metrics import score
 from spark_bench.engine.clock import mapped_large_blocks, peak_memory, reset_peak, return_freed_memory

@@ -246,7 +246,12 @@ def test_method_takes_the_command_lines_names_options_and_messages():
     cfg.method, cfg.ratio = {"name": "snapkv+spark"}, 0.8
     assert method_configs(cfg) == [official]  # what `spark-bench method=snapkv+spark ratio=0.8` runs
     assert spark_bench.method("snapkv+spark", protocol="paper", ratio=0.8).compress_scope == "prompt"
-    assert spark_bench.method("think", protocol=None).window_size == MethodConfig().window_size
+    assert spark_bench.method("think", protocol=None, ratio=0.5).window_size == MethodConfig().window_size
+    # one rule for an unset ratio, CLI and library: a fixed-T +think/+spark method must say it; ratio=0 said is the base
+    with pytest.raises(ValueError, match=r"^snapkv\+spark needs ratio= .*\(ratio=0 is the base method\)$"):
+        spark_bench.method("snapkv+spark")
+    assert spark_bench.method("snapkv+spark", ratio=0).ratio == 0
+    assert spark_bench.method("snapkv+spark", variant="top_p").variant == "top_p"  # SparK-p keeps by p, not λ
     cfg.ratio = 1.5
     with pytest.raises(ConfigError) as cli:
         method_configs(cfg)

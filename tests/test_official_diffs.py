@@ -9,7 +9,7 @@ from spark_bench.engine.decode import greedy_decode
 from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.channel.spark import SparK
-from spark_bench.methods.eviction.snapkv import resolve_budget
+from spark_bench.methods.base import resolve_budget
 from spark_bench.storage import dispatch
 from test_protocol import _compose
 from spark_bench.cli import method_configs

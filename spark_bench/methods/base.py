@@ -31,6 +31,28 @@ class TokenSelection:
     valid: torch.Tensor | None = None
 
 
+BUDGET_ROUNDINGS = ("exact", "official")
+
+
+def resolve_budget(budget: float, prompt_length: int, rounding: str = "exact") -> int:
+    """KV budget in tokens: an integer ≥ 1 is a token count, a value in (0, 1) a fraction of the prompt.
+
+    ``rounding`` of a fraction ``b`` (``budget_rounding``): ``exact`` keeps ``int(S·b)``; ``official`` keeps what
+    the official SparK code keeps, ``int(S·(1 − compression_ratio))`` with ``compression_ratio = 1 − b``
+    (kvpress ``ScorerPress.compress``, ``AdaKVPress``), evaluated in floating point: at ``b = 0.2`` (and 0.1)
+    ``1 − (1 − b)`` is a hair below ``b`` (0.19999999999999996), so every ``S`` divisible by 5 keeps ``S/5 − 1``.
+    Token budgets are integers and unaffected."""
+    if budget <= 0:
+        raise ValueError(f"budget must be > 0 (tokens, or a fraction in (0, 1)), got {budget}")
+    if rounding not in BUDGET_ROUNDINGS:
+        raise ValueError(f"budget_rounding must be one of {', '.join(BUDGET_ROUNDINGS)}; got {rounding!r}")
+    if budget >= 1:
+        n = int(budget)
+    else:
+        n = int(prompt_length * (1 - (1 - budget))) if rounding == "official" else int(prompt_length * budget)
+    return min(n, prompt_length)
+
+
 class EvictionMethod(ABC):
     """Token eviction: which prompt positions survive, per layer and kv-head."""
 
@@ -43,8 +65,6 @@ class EvictionMethod(ABC):
     def stored_tokens(self, prompt_length: int, layer_idx: int, num_layers: int, num_kv_heads: int) -> int:
         """The most prompt tokens :meth:`select` leaves in this layer's store for a prompt of ``prompt_length`` (the
         memory planner's count, no data needed): the budget (``budget``, ``rounding``) or the whole prompt."""
-        from spark_bench.methods.eviction.snapkv import resolve_budget
-
         return min(resolve_budget(self.budget, prompt_length, self.rounding), prompt_length)
 
 

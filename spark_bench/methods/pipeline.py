@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from spark_bench.engine.clock import synchronize
 from spark_bench.engine.cache import CompressedCache, StoredLayer
 from spark_bench.engine.prefill import LayerPrefill, Prefill, QueryStatsSpec
-from spark_bench.methods.base import ChannelMethod, EvictionMethod, gather_tokens
+from spark_bench.methods.base import BUDGET_ROUNDINGS, ChannelMethod, EvictionMethod, gather_tokens
 from spark_bench.methods.channel.recovery import RECOVERY_MODES, STATS
 from spark_bench.methods.channel.spark import (
     GROUP_FORK_FILLS, GROUP_RATIOS, SALIENCY_DTYPES, SALIENCY_MODES, VARIANTS, SparK,
@@ -19,7 +19,7 @@ from spark_bench.methods.channel.value_norm import VALUE_FILLS, VALUE_SCORES, Va
 from spark_bench.methods.eviction.adasnapkv import SAFEGUARDS, AdaSnapKV
 from spark_bench.methods.eviction.expected_attention import ExpectedAttention
 from spark_bench.methods.eviction.pyramidkv import FALLBACKS, PyramidKV
-from spark_bench.methods.eviction.snapkv import BUDGET_ROUNDINGS, SnapKV
+from spark_bench.methods.eviction.snapkv import SnapKV
 from spark_bench.methods.eviction.streamingllm import StreamingLLM
 from spark_bench.methods.eviction.tova import TOVA
 from spark_bench.options import FRACTION, POSITIVE_INT, Option, check_all
@@ -244,6 +244,16 @@ def tell_apart(labels: list[str], methods: list[dict]) -> list[str]:
             for i in members:
                 out[i] = f"{label} [" + ", ".join(f"{k}={_option_text(methods[i].get(k))}" for k in keys) + "]"
     return out
+
+
+def ratio_needed(config: "MethodConfig") -> str | None:
+    """The one rule for an unset ``ratio`` (CLI and library): a fixed-T ``+think`` / ``+spark`` method must say its
+    key-channel pruning ratio λ (an explicit ``ratio=0`` means the base method); every other method prunes no key
+    channel by ratio, so an unset ratio is 0. The refusal's text, or None."""
+    if config.channel_name is not None and config.variant == "fixed":
+        return (f"{config.name} needs ratio= (the key-channel pruning ratio λ), e.g. ratio=0.5 or ratio=0.8 as in "
+                f"the paper (ratio=0 is the base method)")
+    return None
 
 
 def sweep_labels(configs: list[MethodConfig]) -> list[str]:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from spark_bench.engine.prefill import LayerPrefill
-from spark_bench.methods.base import TokenSelection
-from spark_bench.methods.eviction.snapkv import SnapKV, resolve_budget
+from spark_bench.methods.base import TokenSelection, resolve_budget
+from spark_bench.methods.eviction.snapkv import SnapKV
 
 
 SAFEGUARDS = ("kvpress", "spark_fork")

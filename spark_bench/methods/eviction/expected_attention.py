@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from spark_bench.engine.prefill import LayerPrefill
-from spark_bench.methods.base import EvictionMethod, TokenSelection, top_tokens
-from spark_bench.methods.eviction.snapkv import group_mean, resolve_budget
+from spark_bench.methods.base import EvictionMethod, TokenSelection, resolve_budget, top_tokens
+from spark_bench.methods.eviction.snapkv import group_mean
 
 N_SINK = 4
 N_FUTURE_POSITIONS = 512

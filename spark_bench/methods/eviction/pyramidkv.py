@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spark_bench.methods.eviction.snapkv import SnapKV, resolve_budget
+from spark_bench.methods.base import resolve_budget
+from spark_bench.methods.eviction.snapkv import SnapKV
 
 FALLBACKS = ("original", "keep90", "kvpress")
 KVPRESS_TOKEN_BUDGET_RATIO = 0.1  # eval.py's default compression_ratio, used by the fallback for token budgets

@@ -16,29 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from spark_bench.engine.prefill import LayerPrefill
-from spark_bench.methods.base import EvictionMethod, TokenSelection, top_tokens
-
-
-BUDGET_ROUNDINGS = ("exact", "official")
-
-
-def resolve_budget(budget: float, prompt_length: int, rounding: str = "exact") -> int:
-    """KV budget in tokens: an integer ≥ 1 is a token count, a value in (0, 1) a fraction of the prompt.
-
-    ``rounding`` of a fraction ``b`` (``budget_rounding``): ``exact`` keeps ``int(S·b)``; ``official`` keeps what
-    the official SparK code keeps, ``int(S·(1 − compression_ratio))`` with ``compression_ratio = 1 − b``
-    (kvpress ``ScorerPress.compress``, ``AdaKVPress``), evaluated in floating point: at ``b = 0.2`` (and 0.1)
-    ``1 − (1 − b)`` is a hair below ``b`` (0.19999999999999996), so every ``S`` divisible by 5 keeps ``S/5 − 1``.
-    Token budgets are integers and unaffected."""
-    if budget <= 0:
-        raise ValueError(f"budget must be > 0 (tokens, or a fraction in (0, 1)), got {budget}")
-    if rounding not in BUDGET_ROUNDINGS:
-        raise ValueError(f"budget_rounding must be one of {', '.join(BUDGET_ROUNDINGS)}; got {rounding!r}")
-    if budget >= 1:
-        n = int(budget)
-    else:
-        n = int(prompt_length * (1 - (1 - budget))) if rounding == "official" else int(prompt_length * budget)
-    return min(n, prompt_length)
+from spark_bench.methods.base import EvictionMethod, TokenSelection, resolve_budget, top_tokens
 
 
 def window_attention(layer: LayerPrefill, window_size: int) -> torch.Tensor:

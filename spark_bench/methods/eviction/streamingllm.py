@@ -11,8 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from spark_bench.engine.prefill import LayerPrefill
-from spark_bench.methods.base import EvictionMethod, TokenSelection
-from spark_bench.methods.eviction.snapkv import resolve_budget
+from spark_bench.methods.base import EvictionMethod, TokenSelection, resolve_budget
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from spark_bench.engine.prefill import LayerPrefill
-from spark_bench.methods.base import EvictionMethod, TokenSelection, top_tokens
-from spark_bench.methods.eviction.snapkv import resolve_budget, window_attention
+from spark_bench.methods.base import EvictionMethod, TokenSelection, resolve_budget, top_tokens
+from spark_bench.methods.eviction.snapkv import window_attention
 
 
 @dataclass(frozen=True)
