@@ -107,6 +107,18 @@ def test_claims_that_are_inconclusive():
         assert verdicts[name] == "inconclusive", name
 
 
+def test_claims_on_too_few_samples_decide_nothing():
+    """The same clear-cut rows at 2 samples per task read 'too few samples'; at 25 (≥ MIN_PAIRED) they hold."""
+    def run(n):
+        return _samples({(B, "SnapKV", "SnapKV"): [100] * n, (B, "SnapKV", "+SparK (0.5)"): [100] * n,
+                         (B, "SnapKV", "+SparK (0.8)"): [100] * n, (B, "SnapKV", "+ThinK (0.8)"): [0] * n,
+                         (B, "SnapKV", "+SparK (0.8) [none]"): [0] * n}, kv={"SnapKV": 1000, "+SparK (0.8)": 640})
+
+    assert {v.verdict for v in _claims(run(2)).values()} == {"too few samples (n=2 per task, need 20)"}
+    assert {v.verdict for v in _claims(run(25)).values()} == {"holds"}
+    assert "at least 20 paired samples" in claims.to_markdown(claims.check(run(2), RULER))
+
+
 def test_claims_on_the_full_cache_and_missing_rows():
     run = _samples({("", "Vanilla", "Vanilla"): [100] * N, ("", "Vanilla", "SparK (0.8)"): [100] * N},
                    kv={"Vanilla": 1000, "SparK (0.8)": 1000})

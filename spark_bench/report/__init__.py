@@ -80,16 +80,27 @@ def main(argv: list[str] | None = None) -> None:
             paper = paper.assign(group="")
         runs = [i for i in args.inputs if not i.startswith("paper:")]
         incomplete = [f"incomplete: {run}: {note}" for run in runs if (note := completeness(run))]
+        setups, unlike = [], []
+        if args.paper:
+            from spark_bench.report.setup import describe, differences
+
+            setups = [describe(run, args.paper) for run in runs]
+            unlike = [line for run in runs for line in differences(run, args.paper)]
         if incomplete and args.require_complete:
             raise ValueError(f"{incomplete[0]} (--require-complete)")
         samples = read_sample_scores(runs, layout) if runs and (args.ci or args.claims) else None
     except (FileNotFoundError, ValueError, KeyError) as err:
         print(f"spark-bench-report: error: {err}", file=sys.stderr)
         sys.exit(2)
-    for line in incomplete:
+    for line in incomplete + [f"not like with like: {line}" for line in unlike]:
         print(f"spark-bench-report: warning: {line}", file=sys.stderr)
     header = "".join(f"**{line[0].upper()}{line[1:]}**\n\n" for line in incomplete)
+    header += "".join(f"{line}\n\n" for line in setups if line)
+    header += "".join(f"**Not like with like:** {line}\n\n" for line in unlike)
     outputs = {f"{args.name}.{ext}": render(frame, layout, paper) for ext, render in FORMATS.items()}
+    if any(": model " in line for line in unlike):  # another model: the paper column is context, not a target
+        outputs[f"{args.name}.md"] = outputs[f"{args.name}.md"].replace(
+            "Cells: ours (paper, ours − paper)", "Cells: ours (paper, ours − paper: NOT COMPARABLE, another model)")
     outputs[f"{args.name}.md"] = header + outputs[f"{args.name}.md"]
     print(outputs[f"{args.name}.md"])
     if samples is not None and args.ci and layout.name != "longbench_e":

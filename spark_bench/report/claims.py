@@ -10,6 +10,12 @@ is on the claimed side of the threshold), ``fails`` (wholly on the other side) o
 4. Recovered SparK(0.8) above unrecovered SparK(0.8) (``recovery=none``): Δ Avg. > 0 (Observation 2).
 5. SparK(0.8) holds ≥ 30% fewer KV bytes than its base: mean bytes ratio ≤ 0.70 (measured bytes, metadata
    included).
+
+A verdict is ``holds`` / ``fails`` only when every task involved has at least :data:`MIN_PAIRED` paired samples;
+otherwise it reads ``too few samples (n=…)``. Twenty because a percentile bootstrap of a mean covers well below its
+nominal 95% on fewer pairs (with 2 pairs an interval has at most 3 distinct values and is often zero-width), and
+because the paper's RULER cells (the smallest) average at least 20 samples per task. At or above it a zero-width
+interval is a real result (every pair of every task gave the same difference) and is decided.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import pandas as pd
 from spark_bench.report import stats
 from spark_bench.report.compare import VANILLA, Row, aligned, columns_of, rows_of
 from spark_bench.report.layouts import Layout
+
+
+MIN_PAIRED = 20  # paired samples per task a verdict needs (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -82,17 +91,22 @@ def check(samples: pd.DataFrame, layout: Layout, resamples: int = stats.RESAMPLE
                 != base else base[2], "n": interval.n, "estimate": interval.estimate, "low": interval.low,
                 "high": interval.high, "threshold": f"{'>' if claim.strict else '>='} {claim.threshold:g}"
                 if claim.above else f"<= {claim.threshold:g}",
-                "verdict": stats.verdict(interval, claim.threshold, claim.above, claim.strict)})
-    return pd.DataFrame(out, columns=["claim", "block", "row", "vs", "n", "estimate", "low", "high", "threshold",
-                                      "verdict"])
+                "n_per_task": min(len(x) for x in xs),
+                "verdict": stats.verdict(interval, claim.threshold, claim.above, claim.strict)
+                if min(len(x) for x in xs) >= MIN_PAIRED else
+                f"too few samples (n={min(len(x) for x in xs)} per task, need {MIN_PAIRED})"})
+    return pd.DataFrame(out, columns=["claim", "block", "row", "vs", "n", "n_per_task", "estimate", "low", "high",
+                                      "threshold", "verdict"])
 
 
 def to_markdown(claims: pd.DataFrame) -> str:
     if claims.empty:
         return "No claim could be checked: the runs lack the rows the claims compare.\n"
-    lines = ["| Claim | Block | Row | vs | n | estimate [95% CI] | threshold | verdict |",
+    lines = [f"Verdicts need at least {MIN_PAIRED} paired samples in every task (fewest per task: n per task).", "",
+             "| Claim | Block | Row | vs | n | estimate [95% CI] | threshold | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     for r in claims.itertuples(index=False):
-        lines.append(f"| {r.claim} | {r.block} | {r.row} | {r.vs} | {r.n} | {r.estimate:.3f} [{r.low:.3f}, "
+        lines.append(f"| {r.claim} | {r.block} | {r.row} | {r.vs} | {r.n} ({r.n_per_task} per task) | "
+                     f"{r.estimate:.3f} [{r.low:.3f}, "
                      f"{r.high:.3f}] | {r.threshold} | **{r.verdict}** |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,118 @@
+"""Like with like: the setup behind each shipped paper table, and how a run's setup differs from it.
+
+A ``--paper`` comparison puts the paper's number beside ours in every cell; it only means something when the run
+used the paper's model, context length, budgets and protocol. :data:`PAPER_SETUP` states them per table (from the
+paper's captions and §5 / Appendix C–E); :func:`differences` reads a run's own setup from its ``manifest.json``
+(the model, the benchmark and every method config it ran) and returns one line per field that differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from spark_bench.results import read_manifest
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str            # conf/model/<name>
+    benchmark: str        # longbench | ruler
+    context: int          # tokens: LongBench's middle-truncation limit, or RULER's input length
+    budgets: tuple        # KV budgets of the table's rows: tokens (>= 1) or fractions
+    protocol: str = "official"
+
+
+_LB_BUDGETS = (128, 512, 1024, 2048)
+PAPER_SETUP = {
+    "tab_main": Setup("llama3-8b", "longbench", 7950, (128, 512)),
+    "tab_main_ruler": Setup("llama3.1-8b", "ruler", 16384, (0.2,)),
+    "tab_app_full_ruler": Setup("llama3.1-8b", "ruler", 16384, (0.2, 0.5)),  # and 8K: the 8K blocks (@8K)
+    "tab_ab_dist": Setup("llama3-8b", "longbench", 7950, _LB_BUDGETS),
+    "tab_ab_var": Setup("llama3-8b", "longbench", 7950, _LB_BUDGETS),
+    "tab_app_kv_llama3-8b": Setup("llama3-8b", "longbench", 7950, _LB_BUDGETS),
+    "tab_full_llama3-8b": Setup("llama3-8b", "longbench", 7950, _LB_BUDGETS),
+    "tab_full_llama3.1-8b": Setup("llama3.1-8b", "longbench", 127500, _LB_BUDGETS),
+    "tab_full_llama3.1-70b": Setup("llama3.1-70b", "longbench", 127500, _LB_BUDGETS),
+    "tab_full_qwen3-8b": Setup("qwen3-8b", "longbench", 31500, _LB_BUDGETS),
+    "tab_full_qwen3-32b": Setup("qwen3-32b", "longbench", 31500, _LB_BUDGETS),
+}
+
+
+def paper_setup(name: str) -> tuple[Setup | None, int | None]:
+    """The setup of ``--paper NAME[@PART]`` (a ``@8K`` part of the RULER appendix table: 8K input)."""
+    table, _, part = name.partition("@")
+    setup = PAPER_SETUP.get(Path(table).name.removesuffix(".csv"))
+    context = 8192 if part.upper().startswith("8K") else None
+    return setup, context
+
+
+def run_setup(directory) -> dict | None:
+    """What a run ran (its manifest's payload): model, benchmark, context length, budgets and protocol."""
+    path = Path(directory) / "manifest.json"
+    if not path.exists():
+        return None
+    payload = read_manifest(path).get("payload", {})
+    model = payload.get("model") or {}
+    if not isinstance(model, dict):  # a library run's payload names the model only
+        model = {"name": model}
+    bench = payload.get("benchmark") or {}
+    name = bench.get("name")
+    if name == "longbench":
+        context = (payload.get("longbench") or {}).get("max_length") or model.get("longbench_max_length") or \
+            (model["max_length"] - 500 if model.get("max_length") else None)
+    else:
+        context = bench.get("length")
+    configs = payload.get("configs") or []
+    budgets = tuple(sorted({c["budget"] for c in configs if c.get("name", "full") != "full"}))
+    return {"model": model.get("name"), "benchmark": name, "context": context,
+            "budgets": budgets, "protocol": _protocol(configs)}
+
+
+def _protocol(configs: list[dict]) -> str:
+    """``official`` / ``paper`` / ``kvcache_factory`` when every config has that protocol's values, else
+    ``custom``."""
+    from spark_bench.checks import protocol_options
+
+    for name in ("official", "paper", "kvcache_factory"):
+        options = protocol_options(name)
+        if configs and all(all(c.get(k) == v for k, v in options.items() if k in c) for c in configs):
+            return name
+    return "custom"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, tuple):
+        return ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value) or "none"
+    return str(value)
+
+
+def differences(directory, paper_name: str) -> list[str]:
+    """One line per field in which the run at ``directory`` differs from the paper table's setup (empty when
+    they match, or when either side's setup is unknown)."""
+    setup, part_context = paper_setup(paper_name)
+    ours = run_setup(directory)
+    if setup is None or ours is None:
+        return []
+    theirs = {"model": setup.model, "benchmark": setup.benchmark, "context": part_context or setup.context,
+              "budgets": setup.budgets, "protocol": setup.protocol}
+    lines = []
+    for field in ("model", "benchmark", "context", "budgets", "protocol"):
+        if field == "budgets" and set(ours["budgets"]) <= set(theirs["budgets"]) and ours["budgets"]:
+            continue  # a subset of the paper's columns is a like-with-like comparison
+        if ours[field] is not None and ours[field] != theirs[field]:
+            lines.append(f"{Path(directory)} vs {paper_name}: {field} {_fmt(ours[field])} (paper: "
+                         f"{_fmt(theirs[field])})")
+    return lines
+
+
+def describe(directory, paper_name: str) -> str:
+    """``Run X: model, context, budgets, protocol; paper T: …`` (empty when either side is unknown)."""
+    setup, part_context = paper_setup(paper_name)
+    ours = run_setup(directory)
+    if setup is None or ours is None:
+        return ""
+    return (f"Run {directory}: {ours['model']}, {ours['benchmark']} at {ours['context']} tokens, budgets "
+            f"{_fmt(ours['budgets'])}, protocol {ours['protocol']}; paper {paper_name}: {setup.model}, "
+            f"{setup.benchmark} at {part_context or setup.context} tokens, budgets {_fmt(setup.budgets)}, protocol "
+            f"{setup.protocol}.")
