@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from spark_bench import hub
-from spark_bench.commandline import compose_jobs
+from spark_bench.commandline import check_sweep, compose_jobs
 from spark_bench.checks import (
     CONF_DIR, PROTOCOL_KEYS, ConfigError, budget_warnings, check_file, check_group_choices, check_options,
     check_output, check_token_ids, cuda_exists, parse_shard, protocol_options, resolve_device,
@@ -60,8 +60,9 @@ def method_configs(cfg: DictConfig) -> list[MethodConfig]:
             values = {**base, **protocol, **entry}
             unset = values.get("ratio") is None  # required where top-T channels are kept, else 0 (unused)
             config = MethodConfig.from_dict({**values, "ratio": 0.0} if unset else values)
-            if unset and ratio_needed(config):
-                raise ConfigError(f"{where}: {ratio_needed(config)}")
+            needed = ratio_needed(config) if unset else None
+            if needed:
+                raise ConfigError(f"{where}: {needed}")
             out.append(config)
         except (TypeError, ValueError) as err:
             if isinstance(err, ConfigError):
@@ -484,22 +485,6 @@ def checked(tool: str, entry, check_job=None) -> None:
     except ConfigError as err:
         fail(tool, None, err)
     entry()
-
-
-def check_sweep(jobs: list[tuple[list[str], DictConfig]], check_job) -> None:
-    """Raise one :class:`ConfigError` listing each job of a sweep that ``check_job`` refuses (by the overrides
-    that vary between jobs), so no job runs."""
-    common = set.intersection(*(set(overrides) for overrides, _ in jobs))
-    varying = {o.split("=", 1)[0] for overrides, _ in jobs for o in overrides if o not in common}
-    bad = []
-    for i, (overrides, cfg) in enumerate(jobs):
-        try:
-            check_job(cfg)
-        except ConfigError as err:
-            shown = " ".join(o for o in overrides if o.split("=", 1)[0] in varying) or " ".join(overrides)
-            bad.append(f"multirun job {i} ({shown}): {err}")
-    if bad:
-        raise ConfigError("\n".join([f"the sweep runs no job: {len(bad)} of {len(jobs)} jobs refused"] + bad))
 
 
 def _check_run_job(cfg: DictConfig) -> None:

@@ -187,3 +187,19 @@ def check_additions(job: list[str], cfg: DictConfig) -> None:
             hint = f"did you mean {', '.join(f'{section}.{c}' for c in close)}?" if close else \
                 f"{section} keys: {', '.join(valid)}"
             raise ConfigError(f"{override}: nothing reads {key}; {hint}")
+
+
+def check_sweep(jobs: list[tuple[list[str], DictConfig]], check_job) -> None:
+    """Raise one :class:`ConfigError` listing each job of a sweep that ``check_job`` refuses (by the overrides
+    that vary between jobs), so no job runs."""
+    common = set.intersection(*(set(overrides) for overrides, _ in jobs))
+    varying = {o.split("=", 1)[0] for overrides, _ in jobs for o in overrides if o not in common}
+    bad = []
+    for i, (overrides, cfg) in enumerate(jobs):
+        try:
+            check_job(cfg)
+        except ConfigError as err:
+            shown = " ".join(o for o in overrides if o.split("=", 1)[0] in varying) or " ".join(overrides)
+            bad.append(f"multirun job {i} ({shown}): {err}")
+    if bad:
+        raise ConfigError("\n".join([f"the sweep runs no job: {len(bad)} of {len(jobs)} jobs refused"] + bad))
