@@ -18,6 +18,7 @@ call only (:mod:`spark_bench.engine.generate`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import torch
@@ -102,6 +103,11 @@ def compress(model: torch.nn.Module, prompt, methods: MethodConfig | list[Method
     parts = _as_prompt(prompt)
     pipelines = [Pipeline.from_config(c, label) for c, label in zip(configs, sweep_labels(configs))]
     ends = [parts.scope_end(c.compress_scope) for c in configs]
+    covered = sorted({(c.budget, end) for c, end in zip(configs, ends)
+                      if c.eviction_name is not None and c.budget >= 1 and c.budget >= end})
+    for budget, end in covered:  # once per call and budget, as the CLI warns once per run
+        warnings.warn(f"spark_bench.compress: budget={budget:g} is at or above the {end} tokens it compresses: "
+                      f"the whole part is kept (the full cache)", stacklevel=2)
     prefill = prefill_for(model, parts.ids, pipelines, ends)
     selections: dict = {}
     out = [compress_prefill(prefill, p, parts.ids, end, selections) for p, end in zip(pipelines, ends)]

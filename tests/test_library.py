@@ -266,6 +266,16 @@ def test_method_takes_the_command_lines_names_options_and_messages():
         spark_bench.method("spark", protocol="offical")
 
 
+def test_a_budget_covering_the_prompt_warns_once_per_call(tiny_lm, ids):
+    configs = [spark_bench.method("snapkv", budget=4096, protocol="paper"),
+               spark_bench.method("snapkv+spark", budget=4096, ratio=0.5, protocol="paper")]
+    with pytest.warns(UserWarning) as seen:
+        spark_bench.compress(tiny_lm.model, ids, configs)
+    assert [str(w.message) for w in seen] == [
+        f"spark_bench.compress: budget=4096 is at or above the {len(ids)} tokens it compresses: the whole part is "
+        "kept (the full cache)"]
+
+
 def test_bad_library_inputs_are_one_line_errors(tiny_lm, ids):
     model, config = tiny_lm.model, spark_bench.method("snapkv+spark", ratio=0.8, budget=64)
     context = spark_bench.compress(model, ids, config)  # token ids alone: every scope compresses all of them
