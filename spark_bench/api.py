@@ -44,8 +44,9 @@ def method(name: str = "full", protocol: str | None = "official", **options) -> 
     explicitly is the base method)."""
     values = {**(protocol_options(protocol) if protocol else {}), **options, "name": name}
     config = MethodConfig.from_dict(values)
-    if "ratio" not in values and ratio_needed(config):
-        raise ValueError(ratio_needed(config))
+    needed = ratio_needed(config) if "ratio" not in values else None
+    if needed:
+        raise ValueError(needed)
     return config
 
 

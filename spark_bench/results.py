@@ -48,15 +48,15 @@ class DamagedFile(ValueError):
     """A JSON-lines file with a line that is not a JSON record: the message is ``<file>:<line>: <what>``."""
 
 
-def _damage(line: bytes) -> str | None:
-    """What is wrong with one line of a JSON-lines file, or None (a JSON object)."""
+def _parse(line: bytes) -> tuple[dict | None, str | None]:
+    """One line of a JSON-lines file: ``(record, None)``, or ``(None, what is wrong)``."""
     try:
         record = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as err:
-        return f"not UTF-8 text (byte 0x{line[err.start]:02x} at column {err.start + 1})"
+        return None, f"not UTF-8 text (byte 0x{line[err.start]:02x} at column {err.start + 1})"
     except ValueError as err:
-        return f"not a JSON record ({getattr(err, 'msg', err)} at column {getattr(err, 'colno', '?')})"
-    return None if isinstance(record, dict) else f"a JSON {type(record).__name__}, not a record"
+        return None, f"not a JSON record ({getattr(err, 'msg', err)} at column {getattr(err, 'colno', '?')})"
+    return (record, None) if isinstance(record, dict) else (None, f"a JSON {type(record).__name__}, not a record")
 
 
 def parse_records(path: Path, data: bytes) -> list[dict]:
@@ -65,10 +65,10 @@ def parse_records(path: Path, data: bytes) -> list[dict]:
     for number, line in enumerate(data.split(b"\n"), 1):
         if not line.strip():
             continue
-        problem = _damage(line)
+        record, problem = _parse(line)
         if problem:
             raise DamagedFile(f"{path}:{number}: {problem}")
-        out.append(json.loads(line))
+        out.append(record)
     return out
 
 
@@ -108,15 +108,15 @@ def repair_lines(path: Path) -> list[int]:
     data = path.read_bytes()
     data = data[:data.rfind(b"\n") + 1]
     lines = data.split(b"\n")[:-1]
-    bad = [n for n, line in enumerate(lines, 1) if line.strip() and _damage(line)]
+    bad = {n for n, line in enumerate(lines, 1) if line.strip() and _parse(line)[1]}
     if bad:
         with open(path.with_name(path.name + ".damaged"), "ab") as f:
-            f.write(b"".join(lines[n - 1] + b"\n" for n in bad))
+            f.write(b"".join(lines[n - 1] + b"\n" for n in sorted(bad)))
             f.flush()
             os.fsync(f.fileno())
-        keep = [line for n, line in enumerate(lines, 1) if n not in set(bad)]
+        keep = [line for n, line in enumerate(lines, 1) if n not in bad]
         atomic_write(path, b"".join(line + b"\n" for line in keep).decode("utf-8"))
-    return bad
+    return sorted(bad)
 
 
 class ResultsDir:

@@ -199,6 +199,11 @@ def stackable(layer: StoredLayer, backend: str) -> str | None:
     return None if isinstance(layer.value_store, DenseStore) else "value channels are pruned"
 
 
+def _scaled(queries: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The queries times ``scaling`` in float32 (a new tensor: the model's query is never changed)."""
+    return queries * scaling if queries.dtype == torch.float32 else queries.float().mul_(scaling)
+
+
 class BatchedLayer(CacheLayerMixin):
     """One decoder layer of a decode batch: each row's compact prompt stores plus one preallocated tail buffer
     ``(R, H_kv, capacity, D)`` for the tokens the rows decode together.
@@ -331,8 +336,8 @@ class BatchedLayer(CacheLayerMixin):
             extra = (*self.tail_keys.shape[:2], grown - self.tail_keys.shape[-2], self.tail_keys.shape[-1])
             self.tail_keys = torch.cat([self.tail_keys, self.tail_keys.new_empty(extra)], dim=-2)
             self.tail_values = torch.cat([self.tail_values, self.tail_values.new_empty(extra)], dim=-2)
-        if self.units and self.backend == "triton":  # the fused kernel attends them from here and writes them into the tail
-            self.pending = (key_states, value_states)  # at the device-held length (a graph replays it)
+        if self.units and self.backend == "triton":  # the fused kernel attends them from here and writes them
+            self.pending = (key_states, value_states)  # into the tail at the device-held length (graph-safe)
         if not self.kernel_writes_tail:
             self.tail_keys[:, :, self.length:self.length + n] = key_states
             self.tail_values[:, :, self.length:self.length + n] = value_states
@@ -356,12 +361,10 @@ class BatchedLayer(CacheLayerMixin):
         grouped = query.reshape(r, h, hq // h * q_len, d)
         if self.stacked and self.backend == "triton":  # the kernels scale the queries in float32 themselves
             out = self._attend_fused(grouped, scaling, q_len)
+        elif not self.stacked:  # (every row with mode="materialize")
+            out = self._attend_rows(_scaled(grouped, scaling), q_len, mode)
         else:
-            grouped = grouped * scaling if grouped.dtype == torch.float32 else grouped.float().mul_(scaling)
-            if not self.stacked:  # (every row with mode="materialize")
-                out = self._attend_rows(grouped, q_len, mode)
-            else:
-                out = self._attend_cpu(grouped, q_len)
+            out = self._attend_cpu(_scaled(grouped, scaling), q_len)
         if out.dtype != query.dtype:
             out = out.to(query.dtype)
         return out.view(r, hq, q_len, d).transpose(1, 2)
@@ -406,8 +409,7 @@ class BatchedLayer(CacheLayerMixin):
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         out = out.view(-1, h, g, d)
         if self.loose:
-            loose = grouped * scaling if grouped.dtype == torch.float32 else grouped.float().mul_(scaling)
-            out = torch.cat([out, self._attend_rows(loose, q_len, "compact").to(out.dtype)])
+            out = torch.cat([out, self._attend_rows(_scaled(grouped, scaling), q_len, "compact").to(out.dtype)])
         return out if self.out_order is None else out.index_select(0, self.out_order)
 
     def _attend_cpu(self, grouped: torch.Tensor, q_len: int) -> torch.Tensor:

@@ -80,12 +80,14 @@ def main(argv: list[str] | None = None) -> None:
             paper = paper.assign(group="")
         runs = [i for i in args.inputs if not i.startswith("paper:")]
         incomplete = [f"incomplete: {run}: {note}" for run in runs if (note := completeness(run))]
-        setups, unlike = [], []
+        setups, unlike, other_model = [], [], False
         if args.paper:
             from spark_bench.report.setup import describe, differences
 
             setups = [describe(run, args.paper) for run in runs]
-            unlike = [line for run in runs for line in differences(run, args.paper)]
+            found = [differences(run, args.paper) for run in runs]
+            unlike = [line for fields in found for line in fields.values()]
+            other_model = any("model" in fields for fields in found)
         if incomplete and args.require_complete:
             raise ValueError(f"{incomplete[0]} (--require-complete)")
         samples = read_sample_scores(runs, layout) if runs and (args.ci or args.claims) else None
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     header += "".join(f"{line}\n\n" for line in setups if line)
     header += "".join(f"**Not like with like:** {line}\n\n" for line in unlike)
     outputs = {f"{args.name}.{ext}": render(frame, layout, paper) for ext, render in FORMATS.items()}
-    if any(": model " in line for line in unlike):  # another model: the paper column is context, not a target
+    if other_model:  # another model: the paper column is context, not a target
         outputs[f"{args.name}.md"] = outputs[f"{args.name}.md"].replace(
             "Cells: ours (paper, ours − paper)", "Cells: ours (paper, ours − paper: NOT COMPARABLE, another model)")
     outputs[f"{args.name}.md"] = header + outputs[f"{args.name}.md"]

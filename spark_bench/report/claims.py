@@ -80,6 +80,7 @@ def check(samples: pd.DataFrame, layout: Layout, resamples: int = stats.RESAMPLE
             xs, ys = aligned(samples, row, other, columns, value)
             if not xs:
                 continue
+            fewest = min(len(x) for x in xs)  # paired samples of the task with the fewest
             if claim.statistic == "bytes":
                 ratios = [x / y for x, y in zip(xs, ys)]
                 _, interval = stats.mean_intervals(ratios, resamples, seed)
@@ -91,10 +92,9 @@ def check(samples: pd.DataFrame, layout: Layout, resamples: int = stats.RESAMPLE
                 != base else base[2], "n": interval.n, "estimate": interval.estimate, "low": interval.low,
                 "high": interval.high, "threshold": f"{'>' if claim.strict else '>='} {claim.threshold:g}"
                 if claim.above else f"<= {claim.threshold:g}",
-                "n_per_task": min(len(x) for x in xs),
+                "n_per_task": fewest,
                 "verdict": stats.verdict(interval, claim.threshold, claim.above, claim.strict)
-                if min(len(x) for x in xs) >= MIN_PAIRED else
-                f"too few samples (n={min(len(x) for x in xs)} per task, need {MIN_PAIRED})"})
+                if fewest >= MIN_PAIRED else f"too few samples (n={fewest} per task, need {MIN_PAIRED})"})
     return pd.DataFrame(out, columns=["claim", "block", "row", "vs", "n", "n_per_task", "estimate", "low", "high",
                                       "threshold", "verdict"])
 

@@ -87,22 +87,22 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def differences(directory, paper_name: str) -> list[str]:
-    """One line per field in which the run at ``directory`` differs from the paper table's setup (empty when
-    they match, or when either side's setup is unknown)."""
+def differences(directory, paper_name: str) -> dict[str, str]:
+    """``{field: line}`` for each field in which the run at ``directory`` differs from the paper table's setup
+    (empty when they match, or when either side's setup is unknown)."""
     setup, part_context = paper_setup(paper_name)
     ours = run_setup(directory)
     if setup is None or ours is None:
-        return []
+        return {}
     theirs = {"model": setup.model, "benchmark": setup.benchmark, "context": part_context or setup.context,
               "budgets": setup.budgets, "protocol": setup.protocol}
-    lines = []
+    lines = {}
     for field in ("model", "benchmark", "context", "budgets", "protocol"):
         if field == "budgets" and set(ours["budgets"]) <= set(theirs["budgets"]) and ours["budgets"]:
             continue  # a subset of the paper's columns is a like-with-like comparison
         if ours[field] is not None and ours[field] != theirs[field]:
-            lines.append(f"{Path(directory)} vs {paper_name}: {field} {_fmt(ours[field])} (paper: "
-                         f"{_fmt(theirs[field])})")
+            lines[field] = (f"{Path(directory)} vs {paper_name}: {field} {_fmt(ours[field])} (paper: "
+                            f"{_fmt(theirs[field])})")
     return lines
 
 
