@@ -9,7 +9,7 @@ start-up checks) do not load torch.
 
 __version__ = "0.1.0"
 
-__all__ = ["CompressedContext", "ask", "compress", "generate", "load", "method", "prompt"]
+__all__ = ["CompressedContext", "SparkCache", "ask", "compress", "generate", "load", "method", "press", "prompt"]
 
 
 def __getattr__(name: str):

@@ -19,6 +19,8 @@ call only (:mod:`spark_bench.engine.generate`).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -27,12 +29,13 @@ from omegaconf import OmegaConf
 from spark_bench.benchmarks.base import Prompt, Sample, encode_prompt
 from spark_bench.checks import CONF_DIR, protocol_options
 from spark_bench.engine.compress import compress_prefill, prefill_for
-from spark_bench.engine.generate import CompressedContext, generate
+from spark_bench.engine.generate import CompressedContext, SparkCache, generate, model_key
+from spark_bench.engine.press import Pressed, pressed
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.pipeline import ratio_needed, sweep_labels
 from spark_bench.models import LoadedModel, ModelConfig, load_model
 
-__all__ = ["CompressedContext", "ask", "compress", "generate", "load", "method", "prompt"]
+__all__ = ["CompressedContext", "SparkCache", "ask", "compress", "generate", "load", "method", "press", "prompt"]
 
 
 def method(name: str = "full", protocol: str | None = "official", **options) -> MethodConfig:
@@ -72,36 +75,56 @@ def load(name: str = "smollm2-135m", device: str = "auto", **overrides) -> Loade
     return load_model(ModelConfig.from_dict(values), device)
 
 
-def _as_prompt(value) -> Prompt:
+def _as_prompt(value, vocab: int | None = None) -> Prompt:
     if isinstance(value, Prompt):
-        return value
-    if isinstance(value, Sample):
-        return Prompt(list(value.input_ids), value.context_end, value.question_end)
-    if isinstance(value, torch.Tensor):
-        if value.dim() > 2 or (value.dim() == 2 and value.shape[0] != 1):
-            raise ValueError(f"compress takes one prompt: token ids of shape (S,) or (1, S), got {tuple(value.shape)}")
-        value = value.reshape(-1).tolist()
-    if isinstance(value, str):
-        raise ValueError("expected token ids or a spark_bench.prompt(tokenizer, context, question), not text")
-    ids = [int(i) for i in value]
-    if not ids:
-        raise ValueError("expected at least one token id")
-    return Prompt(ids, len(ids), len(ids))  # no parts: every scope compresses all of it
+        parts = value
+    elif isinstance(value, Sample):
+        parts = Prompt(list(value.input_ids), value.context_end, value.question_end)
+    else:
+        if isinstance(value, torch.Tensor):
+            if value.dim() > 2 or (value.dim() == 2 and value.shape[0] != 1):
+                raise ValueError(f"prompt: token ids of shape (S,) or (1, S), got {tuple(value.shape)} (several "
+                                 "prompts: a list of them)")
+            value = value.reshape(-1).tolist()
+        if isinstance(value, str):
+            raise ValueError("prompt: expected token ids or a spark_bench.prompt(tokenizer, context, question), "
+                             "not text")
+        try:
+            ids = [int(i) for i in value]
+        except (TypeError, ValueError):
+            raise ValueError(f"prompt: expected token ids, a spark_bench.prompt(...) or a sample, got "
+                             f"{type(value).__name__}") from None
+        if not ids:
+            raise ValueError("prompt: expected at least one token id")
+        parts = Prompt(ids, len(ids), len(ids))  # no parts: every scope compresses all of it
+    if vocab is not None and parts.ids and not 0 <= min(parts.ids) <= max(parts.ids) < vocab:
+        bad = next(i for i in parts.ids if not 0 <= i < vocab)
+        raise ValueError(f"prompt: token id {bad} is outside the model's vocabulary (0 … {vocab - 1})")
+    return parts
+
+
+def _many(prompts) -> bool:
+    """A list of prompts (each a Prompt, a sample, a tensor or a list of ids), not one prompt's ids."""
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and not isinstance(prompts[0], (int, torch.SymInt)) \
+        and not (isinstance(prompts[0], torch.Tensor) and prompts[0].dim() == 0)
 
 
 @torch.no_grad()
 def compress(model: torch.nn.Module, prompt, methods: MethodConfig | list[MethodConfig]):
     """Prefill ``prompt`` once and compress it under ``methods`` (one config: one :class:`CompressedContext`; a
     list: one per config, from the same prefill). ``prompt``: a :func:`prompt`, a benchmark sample, or token ids (a
-    list, ``(S,)`` or ``(1, S)`` tensor). Each config compresses what its ``compress_scope`` says (``prompt``: all
+    list, ``(S,)`` or ``(1, S)`` tensor); a *list* of prompts gives one result per prompt (one prefill each), which
+    :func:`generate` decodes together. Each config compresses what its ``compress_scope`` says (``prompt``: all
     of it; ``question`` / ``context``: up to the end of the user turn / the start of the question; token ids alone
     have no parts, so every scope compresses all of them); the rest runs through the cache when :func:`generate`
     starts."""
     single = isinstance(methods, MethodConfig)
-    configs = [methods] if single else list(methods)
+    configs = [methods] if single else list(methods) if isinstance(methods, (list, tuple)) else []
     if not configs or not all(isinstance(c, MethodConfig) for c in configs):
-        raise ValueError("compress takes a MethodConfig (spark_bench.method(...)) or a non-empty list of them")
-    parts = _as_prompt(prompt)
+        raise ValueError("methods: compress takes a MethodConfig (spark_bench.method(...)) or a non-empty list of them")
+    if _many(prompt):
+        return [compress(model, p, methods) for p in prompt]
+    parts = _as_prompt(prompt, model.get_input_embeddings().num_embeddings)
     pipelines = [Pipeline.from_config(c, label) for c, label in zip(configs, sweep_labels(configs))]
     ends = [parts.scope_end(c.compress_scope) for c in configs]
     covered = sorted({(c.budget, end) for c, end in zip(configs, ends)
@@ -111,13 +134,34 @@ def compress(model: torch.nn.Module, prompt, methods: MethodConfig | list[Method
                       f"the whole part is kept (the full cache)", stacklevel=2)
     prefill = prefill_for(model, parts.ids, pipelines, ends)
     selections: dict = {}
+    key = model_key(model)
     out = [compress_prefill(prefill, p, parts.ids, end, selections) for p, end in zip(pipelines, ends)]
+    for context in out:
+        context.model_key = key
     return out[0] if single else out
+
+
+@contextmanager
+def press(model: torch.nn.Module, name: str = "snapkv+spark", protocol: str | None = "official",
+          **options) -> Iterator[Pressed]:
+    """kvpress' habit: inside ``with spark_bench.press(model, "snapkv+spark", ratio=0.8, budget=0.2):``, the model's
+    own ``generate`` (or a ``model(...)`` loop) prefills each prompt, compresses it under :func:`method`'s config
+    and decodes from the compact stores (:mod:`spark_bench.engine.press`): the harness's tokens. The whole prompt is
+    compressed (``compress_scope=prompt``; for ``question`` / ``context`` use :func:`compress` on a :func:`prompt`).
+    Yields a record whose ``.context`` is the last compressed context (bytes, times). On exit the model is as before
+    (weights, attention implementation, hooks)."""
+    scope = options.pop("compress_scope", "prompt")
+    if scope != "prompt":
+        raise ValueError(f"compress_scope={scope!r}: a press compresses the whole prompt the prefill sees "
+                         "('prompt'); for 'question' / 'context' use spark_bench.compress on a spark_bench.prompt")
+    config = method(name, protocol, compress_scope="prompt", **options)
+    with pressed(model, Pipeline.from_config(config)) as record:
+        yield record
 
 
 def ask(model: torch.nn.Module, context, questions: list, config: MethodConfig | None = None, tokenizer=None,
         answer_prefix: str = "", chat_template: bool | str = True, separator: str = "\n",
-        **generate_kwargs) -> list:
+        return_context: bool = False, **generate_kwargs):
     """Compress ``context`` once and answer each question over it (kvpress's question-answering pipeline): each
     question (with the end of turn, the assistant header and ``answer_prefix``) runs through the compressed cache,
     which stays as it is for the next one. The same tokens as compressing each question's whole prompt under
@@ -125,37 +169,67 @@ def ask(model: torch.nn.Module, context, questions: list, config: MethodConfig |
     compressed).
 
     ``context``: text (with ``tokenizer``; each question's prompt is :func:`prompt`'s), token ids, or a
-    :class:`CompressedContext` from :func:`compress` (used as it is; ``config`` is not needed). ``questions``:
-    strings with text, else token id sequences that follow the context's ids directly. The answers are the new
-    token ids, decoded when a ``tokenizer`` is given. ``generate_kwargs`` go to ``model.generate``."""
-    if isinstance(questions, (str, bytes)) or not questions:
-        raise ValueError("ask takes a non-empty list of questions")
+    :class:`CompressedContext` (from an earlier ``ask(..., return_context=True)``, which remembers its text, so
+    text questions work again; or from :func:`compress` over token ids, then questions are token ids).
+    ``questions``: strings with text, else token id sequences that follow the context's ids directly. The answers
+    are the new token ids, decoded when a ``tokenizer`` is given. ``return_context``: also return the compressed
+    context, ``(answers, context)``, so a second round of questions costs no prefill. ``generate_kwargs`` go to
+    ``model.generate``."""
+    if isinstance(questions, (str, bytes)) or not isinstance(questions, (list, tuple)) or not questions:
+        raise ValueError("questions: ask takes a non-empty list of questions")
+    texts = [q for q in questions if isinstance(q, str)]
+    if texts and len(texts) != len(questions):
+        raise ValueError("questions: all text or all token ids, not both")
+    if texts and tokenizer is None:
+        raise ValueError("tokenizer: text questions need tokenizer=")
     if isinstance(context, CompressedContext):
         if context.end != len(context.input_ids):
-            raise ValueError("ask over a compressed context needs one compressed whole (compress the context alone)")
+            raise ValueError("context: ask over a compressed context needs it compressed whole (compress the context "
+                             "alone, or ask(..., return_context=True))")
         compressed, head = context, list(context.input_ids)
-        full = [head + _as_prompt(q).ids for q in questions]
+        if texts:
+            if context.source is None:
+                raise ValueError("questions: this context was compressed from token ids, so its questions are token "
+                                 "ids too (text needs a context from ask(text, ..., return_context=True))")
+            full = _text_prompts(tokenizer, context.source, questions, answer_prefix, head)
+        else:
+            full = [head + _as_prompt(q).ids for q in questions]
     else:
         if not isinstance(config, MethodConfig):
-            raise ValueError("ask needs config= (spark_bench.method(...)) to compress the context")
+            raise ValueError("config: ask needs config= (spark_bench.method(...)) to compress the context")
+        source = None
         if isinstance(context, str):
             if tokenizer is None:
-                raise ValueError("ask over text needs tokenizer=")
-            prompts = [prompt(tokenizer, context, q, answer_prefix, chat_template, separator) for q in questions]
-            head = prompts[0].ids[:prompts[0].context_end]
-            for q, p in zip(questions, prompts):
-                if p.ids[:p.context_end] != head:
-                    raise ValueError(f"question {q!r} changes how the context tokenizes; end the context with "
-                                     "whitespace or pass token ids")
-            full = [p.ids for p in prompts]
+                raise ValueError("tokenizer: ask over text needs tokenizer=")
+            if not texts:
+                raise ValueError("questions: a text context takes text questions")
+            source = (context, chat_template, separator)
+            first = prompt(tokenizer, context, questions[0], answer_prefix, chat_template, separator)
+            head = first.ids[:first.context_end]
+            full = _text_prompts(tokenizer, source, questions, answer_prefix, head)
         else:
             head = _as_prompt(context).ids
             full = [head + _as_prompt(q).ids for q in questions]
         compressed = compress(model, head, replace(config, compress_scope="context"))
+        compressed.source = source
     answers = []
     for ids in full:
         out = generate(model, compressed, input_ids=ids, **generate_kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         new = sequences[0, len(ids):].tolist()
         answers.append(tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else new)
-    return answers
+    return (answers, compressed) if return_context else answers
+
+
+def _text_prompts(tokenizer, source: tuple, questions: list[str], answer_prefix: str, head: list[int]) -> list:
+    """Each question's whole prompt over the context text ``source = (text, chat_template, separator)``; its
+    context part must tokenize as ``head`` (the compressed ids)."""
+    text, chat_template, separator = source
+    full = []
+    for q in questions:
+        p = prompt(tokenizer, text, q, answer_prefix, chat_template, separator)
+        if p.ids[:p.context_end] != head:
+            raise ValueError(f"questions: {q!r} changes how the context tokenizes; end the context with whitespace "
+                             "or pass token ids")
+        full.append(p.ids)
+    return full

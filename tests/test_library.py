@@ -206,7 +206,9 @@ def test_several_questions_over_one_context_equal_separate_compressions(tiny_lm,
     assert compressed.nbytes == held  # the questions' tokens went into each call's own tail
 
 
-def test_ask_over_text_builds_each_prompt_from_the_chat_template(tiny_lm):
+def test_ask_over_text_builds_each_prompt_from_the_chat_template(tiny_lm, monkeypatch):
+    """Each question's prompt is the chat template's; ``return_context=True`` hands back the compressed context,
+    and a second round of text questions over it costs no prefill and gives the same answers."""
     tok = tiny_lm.tokenizer
     context = " ".join(f"The code of door {i} is {1000 + 7 * i}." for i in range(30))
     questions = ["What is the code of door 4?", "What is the code of door 17?"]
@@ -220,6 +222,14 @@ def test_ask_over_text_builds_each_prompt_from_the_chat_template(tiny_lm):
         alone = spark_bench.compress(tiny_lm.model, prompt, replace(config, compress_scope="context"))
         out = spark_bench.generate(tiny_lm.model, alone, max_new_tokens=MAX_NEW)
         assert tok.decode(out[0, len(prompt.ids):], skip_special_tokens=True) == answer
+    first, compressed = spark_bench.ask(tiny_lm.model, context, questions[:1], config, tokenizer=tok,
+                                        answer_prefix=" Answer:", max_new_tokens=MAX_NEW, return_context=True)
+    from spark_bench import api
+
+    monkeypatch.setattr(api, "prefill_for", lambda *args: pytest.fail("a second round must not prefill"))
+    second = spark_bench.ask(tiny_lm.model, compressed, questions[1:], tokenizer=tok, answer_prefix=" Answer:",
+                             max_new_tokens=MAX_NEW)
+    assert first + second == answers
 
 
 def test_compressed_bytes_are_the_stores_true_bytes(tiny_lm, ids):
@@ -276,28 +286,209 @@ def test_a_budget_covering_the_prompt_warns_once_per_call(tiny_lm, ids):
         "kept (the full cache)"]
 
 
-def test_bad_library_inputs_are_one_line_errors(tiny_lm, ids):
+def test_bad_library_inputs_are_one_line_errors(tiny_lm, tiny_qwen3, ids, monkeypatch):
+    """Each bad call raises one ValueError line naming the argument and what is valid, never a tensor error."""
     model, config = tiny_lm.model, spark_bench.method("snapkv+spark", ratio=0.8, budget=64)
     context = spark_bench.compress(model, ids, config)  # token ids alone: every scope compresses all of them
     assert context.end == LENGTH and context.first_logits is not None
+    vocab = model.get_input_embeddings().num_embeddings
     cases = [
-        (lambda: spark_bench.compress(model, "some text", config), "not text"),
-        (lambda: spark_bench.compress(model, [], config), "at least one token"),
-        (lambda: spark_bench.compress(model, torch.zeros(2, 5, dtype=torch.long), config), "one prompt"),
-        (lambda: spark_bench.compress(model, ids, "snapkv+spark"), "MethodConfig"),
+        (lambda: spark_bench.compress(model, "some text", config), "prompt: .*not text"),
+        (lambda: spark_bench.compress(model, [], config), "prompt: expected at least one token"),
+        (lambda: spark_bench.compress(model, torch.zeros(2, 5, dtype=torch.long), config), "several prompts"),
+        (lambda: spark_bench.compress(model, ids[:-1] + [vocab], config), f"token id {vocab} is outside"),
+        (lambda: spark_bench.compress(model, [ids, [1.5, None]], config), "prompt: expected token ids"),
+        (lambda: spark_bench.compress(model, ids, "snapkv+spark"), "methods: .*MethodConfig"),
         (lambda: spark_bench.compress(model, Prompt(ids), config), "compress_scope=question needs"),
         (lambda: spark_bench.generate(model, context, input_ids=ids[:-1] + [7]), "must begin with"),
-        (lambda: spark_bench.generate(model, context, num_beams=2), "not beam search"),
-        (lambda: spark_bench.generate(model, context, past_key_values=None), "sets past_key_values itself"),
-        (lambda: spark_bench.ask(model, ids, "a question", config), "non-empty list"),
-        (lambda: spark_bench.ask(model, ids, [ids[:3]]), "needs config="),
-        (lambda: spark_bench.ask(model, "text", ["q"], config), "needs tokenizer="),
+        (lambda: spark_bench.generate(model, context, input_ids=ids + [vocab + 3]), "outside the model's vocab"),
+        (lambda: spark_bench.generate(model, context, num_beams=2), "num_beams: .*not beam search"),
+        (lambda: spark_bench.generate(model, context, past_key_values=None), "past_key_values: generate sets it"),
+        (lambda: spark_bench.generate(model, [], max_new_tokens=2), "contexts: "),
+        (lambda: spark_bench.generate(tiny_qwen3.model, context), "contexts: compressed by another model"),
+        (lambda: spark_bench.ask(model, ids, "a question", config), "questions: .*non-empty list"),
+        (lambda: spark_bench.ask(model, ids, [ids[:3]]), "config: .*needs config="),
+        (lambda: spark_bench.ask(model, "text", ["q"], config), "tokenizer: "),
+        (lambda: spark_bench.ask(model, context, ["q"], tokenizer=object()), "compressed from token ids"),
         (lambda: spark_bench.load("tiny-lama"), "no such model config"),
+        (lambda: spark_bench.CompressedContext.load(ROOT / "README.md", model), "not a readable safetensors"),
+        (lambda: spark_bench.press(model, "snapkv+spark", ratio=0.8, compress_scope="question").__enter__(),
+         "compress_scope='question': a press compresses the whole prompt"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message) as err:
             call()
         assert "\n" not in str(err.value)
+    from spark_bench.engine import generate as engine_generate  # a model moved after compressing (no GPU here)
+
+    monkeypatch.setattr(engine_generate, "store_device", lambda store: torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="stores are on cuda:0 but the model now runs it on cpu"):
+        spark_bench.generate(model, context)
+
+
+def test_a_config_list_with_mixed_scopes_compresses_each_as_alone(tiny_lm, ids):
+    """compress_scope is per config: a list mixing scopes gives each config the context it gives alone."""
+    configs = [spark_bench.method("snapkv+spark", ratio=0.8, budget=64, compress_scope=s)
+               for s in ("prompt", "question", "context")]
+    together = spark_bench.compress(tiny_lm.model, _sample(ids), configs)
+    for config, context in zip(configs, together):
+        alone = spark_bench.compress(tiny_lm.model, _sample(ids), config)
+        assert (context.end, context.nbytes) == (alone.end, alone.nbytes)
+        assert torch.equal(spark_bench.generate(tiny_lm.model, context, max_new_tokens=3),
+                           spark_bench.generate(tiny_lm.model, alone, max_new_tokens=3))
+
+
+FAMILIES = [("snapkv", {}), ("snapkv+spark", dict(ratio=0.8)), ("snapkv+think", dict(ratio=0.5)),
+            ("snapkv+spark", dict(ratio=0.5, value_ratio=0.3)), ("adasnapkv+spark", dict(ratio=0.8)),
+            ("pyramidkv+spark", dict(ratio=0.8))]
+
+
+@pytest.mark.parametrize("name,options", FAMILIES, ids=[f"{n}{o}" for n, o in FAMILIES])
+def test_press_cache_generate_and_harness_give_the_same_tokens(tiny_lm, ids, name, options):
+    """The four ways in (fp32, the whole prompt compressed): (a) ``with press(model): model.generate``, (b)
+    ``model.generate(..., past_key_values=context.as_cache())`` on the spark_bench attention, (c)
+    ``spark_bench.generate``, (d) the harness: the same tokens and the same bytes."""
+    model, stops = tiny_lm.model, sorted(tiny_lm.stop_token_ids)
+    config = spark_bench.method(name, budget=64, compress_scope="prompt", **options)
+    sample = replace(_sample(ids), context_end=LENGTH, question_end=LENGTH)
+    (expected,) = _harness(tiny_lm, sample, [config])
+    with spark_bench.press(model, name, budget=64, **options) as pressed:
+        a = model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=MAX_NEW, do_sample=False,
+                           eos_token_id=stops)
+    context = spark_bench.compress(model, ids, config)
+    cache = context.as_cache()
+    model.set_attn_implementation("spark_bench")
+    try:
+        b = model.generate(torch.tensor([context.continuation_ids()], device=DEVICE), past_key_values=cache,
+                           max_new_tokens=MAX_NEW - 1, do_sample=False, eos_token_id=stops)
+    finally:
+        model.set_attn_implementation("sdpa")
+    c = spark_bench.generate(model, context, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=stops)
+    for out in (a, b, c):
+        assert _new_tokens(out, LENGTH, stops)[0] == expected.tokens
+    assert pressed.context.kv_bytes == context.kv_bytes == cache.store_bytes == expected.kv_bytes
+    assert pressed.context.key_ratio == expected.key_ratio
+
+
+def test_a_cache_serves_a_hand_written_loop_and_a_pipeline(smollm2):
+    """Under the official protocol (the user turn compressed; end of turn and assistant header run through the
+    cache): a ``model(...)`` loop holds the harness's bytes once the suffix ran, and a text-generation pipeline
+    answers as spark_bench.generate does."""
+    import transformers
+
+    model, tok = smollm2.model, smollm2.tokenizer
+    context = spark_bench.compress(model, spark_bench.prompt(tok, "The code is 4521. " * 12, "What is the code?"),
+                                   spark_bench.method("snapkv+spark", ratio=0.8, budget=96))
+    assert context.suffix and context.first_logits is None
+    reference = spark_bench.generate(model, context, max_new_tokens=6, do_sample=False)[0, len(context.input_ids):]
+    model.set_attn_implementation("spark_bench")
+    try:
+        cache, ids = context.as_cache(), torch.tensor([context.suffix], device=model.device)
+        positions = torch.arange(context.end, len(context.input_ids), device=model.device)[None]
+        tokens = []
+        with torch.no_grad():
+            for _ in range(6):
+                logits = model(input_ids=ids, position_ids=positions, past_key_values=cache).logits[:, -1]
+                if not tokens:
+                    assert cache.nbytes() == context.kv_bytes  # the stores + the suffix, dense
+                tokens.append(int(logits.argmax()))
+                ids, positions = torch.tensor([[tokens[-1]]], device=model.device), positions[:, -1:] + 1
+        pipe = transformers.pipeline("text-generation", model=model, tokenizer=tok)
+        text = pipe(tok.decode(context.input_ids), past_key_values=context.as_cache(), max_new_tokens=6,
+                    do_sample=False, return_full_text=False)[0]["generated_text"]
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert tokens == reference.tolist()
+    assert text == tok.decode(reference, skip_special_tokens=True)
+
+
+def test_a_cache_on_another_attention_or_repeating_the_prompt_is_refused(tiny_lm, ids):
+    model = tiny_lm.model
+    context = spark_bench.compress(model, ids, spark_bench.method("snapkv+spark", ratio=0.8, budget=64))
+    with pytest.raises(ValueError, match="ran another attention function .*set_attn_implementation"):
+        model.generate(torch.tensor([context.continuation_ids()]), past_key_values=context.as_cache(),
+                       max_new_tokens=2)
+    model.set_attn_implementation("spark_bench")
+    try:
+        with pytest.raises(ValueError, match="starts at position 0 but the cache holds 150 tokens"):
+            model.generate(torch.tensor([ids]), past_key_values=context.as_cache(), max_new_tokens=2)
+        dense = model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)  # dense caches: sdpa
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(dense, model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False))
+
+
+def test_press_leaves_the_model_bit_identical(tiny_lm, ids):
+    model = tiny_lm.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = (model.config._attn_implementation, dict(model._forward_hooks), dict(model._forward_pre_hooks),
+             [dict(m._forward_pre_hooks) for m in model.modules()])
+    with spark_bench.press(model, "snapkv+spark", ratio=0.8, budget=64):
+        model.generate(torch.tensor([ids]), max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="inside"):
+        with spark_bench.press(model, "pyramidkv+think", ratio=0.5, budget=64):
+            raise RuntimeError("inside the block")
+    after = (model.config._attn_implementation, dict(model._forward_hooks), dict(model._forward_pre_hooks),
+             [dict(m._forward_pre_hooks) for m in model.modules()])
+    assert after == state
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="input_ids: press compresses one prompt per forward"):
+        with spark_bench.press(model, "snapkv", budget=64):
+            model.generate(torch.tensor([ids, ids]), max_new_tokens=2)
+
+
+def test_a_batch_of_different_prompts_decodes_each_prompts_own_tokens(tiny_lm, ids):
+    """Three prompts of different lengths (and suffixes), compressed in one call, decode together as each alone."""
+    model, stops = tiny_lm.model, sorted(tiny_lm.stop_token_ids)
+    prompts = [Prompt(ids[:120], 90, 110), Prompt(ids, CONTEXT_END, QUESTION_END), Prompt(ids[:135] + ids[:30],
+                                                                                         120, 151)]
+    config = spark_bench.method("snapkv+spark", ratio=0.8, budget=64)
+    contexts = spark_bench.compress(model, prompts, config)
+    together = spark_bench.generate(model, contexts, max_new_tokens=MAX_NEW, eos_token_id=stops)
+    assert [len(c.suffix) for c in contexts] == [10, 14, 14]
+    for prompt, context, row in zip(prompts, contexts, together):
+        alone = spark_bench.generate(model, context, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=stops)
+        assert row[:len(prompt.ids)].tolist() == prompt.ids
+        assert row[len(prompt.ids):].tolist() == _new_tokens(alone, len(prompt.ids), stops)[0]
+    with pytest.raises(ValueError, match="do_sample: contexts of different prompts decode together greedily"):
+        spark_bench.generate(model, contexts, do_sample=True)
+
+
+def test_num_return_sequences_shares_the_stores_and_is_reproducible(tiny_lm, ids):
+    """k sampled rows read one context's stores (nothing copied). Rows draw from one generator stream, so row i is
+    not the single-row run with the same seed; it is the same as passing the context k times."""
+    model = tiny_lm.model
+    context = spark_bench.compress(model, ids, spark_bench.method("snapkv+spark", ratio=0.8, budget=64))
+
+    def sampled(contexts, **kwargs):
+        torch.manual_seed(5)
+        return spark_bench.generate(model, contexts, max_new_tokens=6, do_sample=True, temperature=2.0, **kwargs)
+
+    two = sampled(context, num_return_sequences=2)
+    assert two.shape == (2, LENGTH + 6) and torch.equal(two, sampled(context, num_return_sequences=2))
+    assert torch.equal(two, sampled([context, context]))
+    assert not torch.equal(two[0], two[1])
+
+
+@pytest.mark.parametrize("name,options,scope", [("snapkv+spark", dict(ratio=0.8), "prompt"),
+                                                ("adasnapkv+spark", dict(ratio=0.5, value_ratio=0.3), "question"),
+                                                ("pyramidkv+think", dict(ratio=0.5), "question")])
+def test_save_load_generate_gives_the_same_tokens(tiny_lm, tiny_qwen3, ids, tmp_path, name, options, scope):
+    """The file holds the stores (plus the prefill's last logits when the whole prompt was compressed) and a
+    header under 64 KiB; loaded, it generates the same tokens; another model's is refused."""
+    model = tiny_lm.model
+    context = spark_bench.compress(model, _sample(ids), spark_bench.method(name, budget=64, compress_scope=scope,
+                                                                           **options))
+    path = context.save(tmp_path / "context.safetensors")
+    logits = 0 if context.first_logits is None else context.first_logits.numel() * 4
+    assert path.stat().st_size <= context.nbytes + logits + 64 * 1024
+    loaded = spark_bench.CompressedContext.load(path, model)
+    assert (loaded.nbytes, loaded.kv_bytes, loaded.end, loaded.input_ids) == (context.nbytes, context.kv_bytes,
+                                                                              context.end, context.input_ids)
+    assert torch.equal(spark_bench.generate(model, loaded, max_new_tokens=MAX_NEW),
+                       spark_bench.generate(model, context, max_new_tokens=MAX_NEW))
+    with pytest.raises(ValueError, match="model: the context was compressed by"):
+        spark_bench.CompressedContext.load(path, tiny_qwen3.model)
 
 
 def test_the_top_level_names_are_the_api_and_load_lazily():

@@ -1,10 +1,16 @@
-"""Decode attention over a :class:`~spark_bench.engine.cache.CompressedCache`, plugged in through transformers'
-attention-function registry (``AttentionInterface``) under its own name — no transformers function is replaced.
+"""Decode attention over compressed caches, plugged in through transformers' attention-function registry
+(``AttentionInterface``) under its own name, ``spark_bench`` — no transformers function is replaced.
 
-During decoding, :func:`compressed_attention_enabled` switches the model to the ``spark_bench`` attention for the
-duration of the block; :func:`greedy_decode` passes the cache as the ``compressed_cache`` keyword, which
-transformers forwards to the attention function, and each layer attends over its own stores
-(:meth:`StoredLayer.attend`). Prefill never runs through it.
+The function finds the cache of a forward in one of two ways: the ``compressed_cache`` keyword (the harness's
+:func:`~spark_bench.engine.decode.decode_rows` passes it), or the key tensor that a
+:class:`~spark_bench.engine.generate.SparkCache`'s ``update`` returned, which carries its cache under
+:data:`CACHE_ATTRIBUTE` (so ``model.generate(..., past_key_values=cache)`` and hand-written loops need no hook). A
+forward whose keys carry no compressed cache (a dense ``DynamicCache``, or none) runs transformers' ``sdpa``
+function: a model loaded with ``attn_implementation="spark_bench"`` (or switched with
+``model.set_attn_implementation("spark_bench")``) runs everything else as it did under ``sdpa``.
+
+:func:`compressed_attention_enabled` switches a model to it for the duration of a block (the harness's decoding,
+:func:`spark_bench.generate`) and restores the previous implementation. Prefill never runs through it.
 """
 
 from __future__ import annotations
@@ -13,23 +19,32 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 ATTENTION_NAME = "spark_bench"
+CACHE_ATTRIBUTE = "spark_bench_cache"  # set on the key tensor a SparkCache.update returns
 
 
 def compressed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask, scaling: float | None = None, dropout: float = 0.0,
                          compressed_cache=None, **kwargs):
-    """transformers attention-function signature; ``key``/``value`` are the dense decoded tail (unused here)."""
-    if compressed_cache is None:
-        raise RuntimeError("spark_bench attention needs the compressed_cache keyword (decode_rows and "
-                           "spark_bench.generate pass it)")
+    """transformers attention-function signature; ``key``/``value`` are the step's own keys and values (read from
+    the cache's tail, not from here), or a dense cache's whole keys and values (then ``sdpa`` attends them)."""
+    cache = compressed_cache if compressed_cache is not None else getattr(key, CACHE_ATTRIBUTE, None)
+    if cache is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return compressed_cache.attend(module.layer_idx, query, scale), None
+    check = getattr(cache, "check_positions", None)
+    if check is not None and kwargs.get("position_ids") is not None:
+        check(module.layer_idx, kwargs["position_ids"], query.shape[-2])
+    return cache.attend(module.layer_idx, query, scale), None
 
 
 AttentionInterface.register(ATTENTION_NAME, compressed_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # dense forwards get sdpa's masks (compact ones ignore it)
 
 
 @contextmanager

@@ -20,18 +20,23 @@ if TYPE_CHECKING:
     from spark_bench.methods import Pipeline
 
 
-def prefill_for(model: torch.nn.Module, input_ids, pipelines: list[Pipeline], ends: list[int]) -> Prefill:
-    """One full-cache prefill of ``input_ids`` that serves every pipeline, whatever prefix (``ends``) it compresses:
-    the largest observation window, the query statistics an eviction needs, raw queries where a config asks."""
+def prefill_spec(pipelines: list[Pipeline]) -> tuple[int, object, bool]:
+    """What one prefill must capture to serve every pipeline: the largest observation window, the query statistics
+    an eviction needs (one setting), raw queries where a config asks (``window_q_norm=False``)."""
     window = max([p.config.observation_window for p in pipelines] + [1])
     specs = {p.query_stats for p in pipelines} - {None}
     if len(specs) > 1:
         raise ValueError(f"one prefill cannot serve several query-statistics settings {sorted(map(str, specs))} "
                          "(n_sink)")
+    return window, next(iter(specs), None), any(not p.config.window_q_norm for p in pipelines)
+
+
+def prefill_for(model: torch.nn.Module, input_ids, pipelines: list[Pipeline], ends: list[int]) -> Prefill:
+    """One full-cache prefill of ``input_ids`` that serves every pipeline (:func:`prefill_spec`), whatever prefix
+    (``ends``) it compresses."""
+    window, stats, raw = prefill_spec(pipelines)
     ids = torch.tensor([list(input_ids)], device=model.get_input_embeddings().weight.device)
-    raw = any(not p.config.window_q_norm for p in pipelines)
-    return run_prefill(model, ids, window, query_stats=next(iter(specs), None), ends=tuple(set(ends)),
-                       raw_queries=raw)
+    return run_prefill(model, ids, window, query_stats=stats, ends=tuple(set(ends)), raw_queries=raw)
 
 
 def compress_prefill(prefill: Prefill, pipeline: Pipeline, input_ids, end: int,

@@ -2,7 +2,7 @@
 
 ``model.generate`` restarts from a cache the usual way: the cache says how many tokens it has seen, generate runs
 the rest of ``input_ids`` through it, then decodes with its own logits processors, sampling and stopping criteria.
-:class:`GenerationCache` is a :class:`~spark_bench.engine.cache.BatchedCache` (each row's compact stores, the decoded
+:class:`SparkCache` is a :class:`~spark_bench.engine.cache.BatchedCache` (each row's compact stores, the decoded
 tokens dense) that reports the *uncompressed* count, so positions continue from the uncompressed prompt length, as
 the harness's decoding does (and kvpress / the official SparK code).
 
@@ -12,10 +12,12 @@ fewer and *replays* the prompt's last token: in that forward the cache stores no
 and a forward hook replaces the forward's logits by the prefill's. generate then picks the first token from exactly
 the logits the harness uses, through its own processors. The step costs one decode forward without attention.
 
-generate only forwards the keyword arguments a model declares, so the cache reaches the attention function (as the
-``compressed_cache`` keyword, like :func:`~spark_bench.engine.decode.decode_rows` passes it) through a forward
-pre-hook on the model. Everything switched on for a call (the attention function, the two hooks) is undone when it
-returns or raises.
+The attention function finds the cache through the keys its ``update`` returned
+(:data:`~spark_bench.engine.attention.CACHE_ATTRIBUTE`), so the same cache also serves ``model.generate``,
+pipelines and hand-written ``model(...)`` loops on a model whose attention is ``spark_bench``. The replay needs a
+forward hook; :func:`generate` puts it on for the call and undoes it (and the attention switch) when it returns or
+raises. Contexts of different prompts decode together through the harness's greedy decoder
+(:func:`~spark_bench.engine.decode.decode_rows`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spark_bench.engine.attention import compressed_attention_enabled
-from spark_bench.engine.cache import BatchedCache, CompressedCache
+from spark_bench.engine.attention import CACHE_ATTRIBUTE, compressed_attention_enabled
+from spark_bench.engine.cache import BatchedCache, CompressedCache, store_device
 
 
 @dataclass
@@ -46,6 +48,8 @@ class CompressedContext:
     label: str = ""
     prefill_s: float = 0.0
     compress_s: float = 0.0
+    model_key: tuple = ()  # model_key() of the model it was compressed with (checked when it is used)
+    source: tuple | None = None  # (context text, chat_template, separator) when compressed from text (ask)
 
     @property
     def suffix(self) -> tuple[int, ...]:
@@ -68,52 +72,129 @@ class CompressedContext:
         return self.nbytes + len(self.suffix) * self.dense_bytes // len(self.input_ids)
 
     @property
+    def first_token(self) -> int | None:
+        """The greedy first answer token when the whole prompt is compressed (from the prefill's logits)."""
+        return None if self.first_logits is None else int(self.first_logits.argmax())
+
+    def continuation_ids(self) -> list[int]:
+        """Token ids to hand ``model.generate`` with :meth:`as_cache`: the prompt, plus the greedy first token when
+        nothing follows the compressed part (the cache cannot give generate the prefill's logits; spark_bench.generate
+        replays them instead, for sampling too)."""
+        ids = list(self.input_ids)
+        return ids if self.suffix else ids + [self.first_token]
+
+    def as_cache(self, rows: int = 1, max_new_tokens: int = 256, stack: bool = True) -> "SparkCache":
+        """A fresh :class:`SparkCache` over this context's stores (``rows`` rows reading them, nothing copied) for
+        ``model.generate(context.continuation_ids(), past_key_values=cache)`` or a ``model(...)`` loop on a model
+        whose attention is ``spark_bench``. A cache is used up by one generation; the context is not."""
+        if rows < 1:
+            raise ValueError(f"rows={rows}: a cache needs at least one row")
+        return SparkCache([self.cache] * rows, len(self.suffix) + 1 + max_new_tokens, seen=self.end, stack=stack)
+
+    def save(self, path) -> "Path":
+        """Write the compact stores to ``path`` (safetensors; :mod:`spark_bench.engine.saved`)."""
+        from spark_bench.engine.saved import save_context
+
+        return save_context(self, path)
+
+    @classmethod
+    def load(cls, path, model: nn.Module) -> "CompressedContext":
+        """A context :meth:`save` wrote, for ``model`` (refused in one line if another model's)."""
+        from spark_bench.engine.saved import load_context
+
+        return load_context(path, model)
+
+    @property
     def key_ratio(self) -> float:
         """Achieved key pruning ratio over the stored tokens (the paper's "Overall Ratio", Table 5)."""
         return round(1 - self.cache.kept_key_fraction(), 6)
 
 
-class GenerationCache(BatchedCache):
-    """The rows of one ``model.generate`` call (contexts of the same prompt), each over its own stores (no copy: the
-    contexts stay usable for the next call). ``seen``: the uncompressed length of the compressed part; ``replay``:
-    ``(R, V)`` logits to replay for the prompt's last token (see the module docstring), or None."""
+class SparkCache(BatchedCache):
+    """A :class:`transformers.Cache` over compressed contexts, one row each (rows may share a context: sampling's
+    ``num_return_sequences``), reading their stores in place (nothing is copied; the contexts stay usable). Pass it
+    as ``past_key_values=`` to ``model.generate``, a pipeline or ``model(...)`` on a model whose attention is
+    ``spark_bench`` (:mod:`spark_bench.engine.attention`); the tokens run through it land in a dense tail.
+
+    ``seen``: the uncompressed length of the compressed part (what :meth:`get_seq_length` reports first, so
+    positions continue from the uncompressed prompt, as the harness decodes); ``replay``: ``(R, V)`` logits to
+    replay for the prompt's last token (the module docstring; only :func:`generate` sets it, with its hook).
+    """
 
     def __init__(self, caches: list[CompressedCache], capacity: int, seen: int, replay: torch.Tensor | None = None,
                  stack: bool = True):
         super().__init__(caches, capacity, stack, consume=False)
         self.seen = seen
         self.replay = replay
+        self.store_bytes = sum({id(c): c.nbytes() for c in caches}.values())  # each context once
+        self._unattended: int | None = None  # the layer updated last and not yet attended (misuse check)
+        self._positions_checked = False
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen + self.layers[layer_idx].length - (self.replay is not None)
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # older callers pass cache_position
+            query_length = query_length.shape[0]
         return self.get_seq_length(layer_idx) + query_length, 0  # the attention function masks by itself
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.replay is not None:  # the replayed token is already in the stores
-            return key_states, value_states
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self._unattended is not None:
+            raise ValueError(f"past_key_values: layer {self._unattended} of a spark_bench cache ran another "
+                             "attention function (it needs the model's spark_bench attention): call model.set_attn_implementation('spark_bench') (dense caches still run sdpa), or "
+                             "use spark_bench.generate / spark_bench.press")
+        layer = self.layers[layer_idx]
+        if key_states.shape[0] != layer.tail_keys.shape[0]:
+            raise ValueError(f"past_key_values: the cache has {layer.tail_keys.shape[0]} rows, the input "
+                             f"{key_states.shape[0]}; build it with context.as_cache(rows=...) or use "
+                             "spark_bench.generate(..., num_return_sequences=k)")
+        if key_states.device != layer.tail_keys.device:
+            raise ValueError(f"past_key_values: layer {layer_idx}'s stores are on {layer.tail_keys.device} but the "
+                             f"model runs it on {key_states.device}; compress again on the model's device")
+        if key_states.shape[-2] == 0:
+            raise ValueError("input_ids: nothing follows the compressed tokens; pass input_ids that continue them "
+                             "(context.continuation_ids()), or use spark_bench.generate")
+        if self.replay is None:
+            super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self._unattended = layer_idx
+        setattr(key_states, CACHE_ATTRIBUTE, self)
+        return key_states, value_states
+
+    def check_positions(self, layer_idx: int, position_ids: torch.Tensor, q_len: int) -> None:
+        """On the first forward (one host read): its tokens must continue the compressed ones. ``model.generate``
+        given exactly the compressed tokens would run them all again through the cache."""
+        if self._positions_checked or layer_idx != 0:
+            return
+        self._positions_checked = True
+        expected = self.seen - 1 if self.replay is not None else self.seen + self.layers[0].length - q_len
+        first = int(position_ids.reshape(-1)[0])
+        if first != expected:
+            raise ValueError(f"input_ids: the forward starts at position {first} but the cache holds {expected} "
+                             "tokens; pass input_ids that continue the compressed ones (context.continuation_ids()), "
+                             "or use spark_bench.generate")
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        self._unattended = None
         if self.replay is not None:  # the replayed forward's output is replaced by the prefill's logits
             return query.new_zeros(query.shape).transpose(1, 2)
         return super().attend(layer_idx, query, scaling)
 
+    def nbytes(self) -> int:
+        """Bytes held: the contexts' compressed stores (each once, however many rows read it) plus the tokens run
+        through the cache so far, dense (the harness's ``kv_bytes`` once a context's suffix has run)."""
+        layer = self.layers[0]
+        per_token = sum(2 * lay.tail_keys[:, :, :1].numel() * lay.tail_keys.element_size() for lay in self.layers)
+        return self.store_bytes + layer.length * per_token
+
     def reorder_cache(self, beam_idx: torch.LongTensor):
-        raise RuntimeError("compressed caches decode one sequence per row: beam search is not supported")
+        raise ValueError("num_beams: compressed caches decode one sequence per row; use greedy decoding or "
+                         "sampling (num_return_sequences=k), not beam search")
 
 
 @contextmanager
-def generation_switched_on(model: nn.Module, cache: GenerationCache):
-    """Within the block, the model's attention reads ``cache``'s stores (forwards given ``past_key_values=cache`` get
-    ``compressed_cache=cache``) and, while ``cache.replay`` is set, its next forward returns the replayed logits;
-    all of it is undone on exit, also when an exception escapes."""
-
-    def pass_cache(module, args, kwargs):
-        if kwargs.get("past_key_values") is cache:
-            kwargs["compressed_cache"] = cache
-        return args, kwargs
+def generation_switched_on(model: nn.Module, cache: SparkCache):
+    """Within the block, the model's attention is ``spark_bench`` and, while ``cache.replay`` is set, its next forward
+    returns the replayed logits; all of it is undone on exit, also when an exception escapes."""
 
     def put_replayed_logits(module, args, kwargs, output):
         if cache.replay is not None and kwargs.get("past_key_values") is cache:
@@ -122,8 +203,7 @@ def generation_switched_on(model: nn.Module, cache: GenerationCache):
             cache.replay = None
         return output
 
-    handles = [model.register_forward_pre_hook(pass_cache, with_kwargs=True),
-               model.register_forward_hook(put_replayed_logits, with_kwargs=True)]
+    handles = [model.register_forward_hook(put_replayed_logits, with_kwargs=True)]
     try:
         with compressed_attention_enabled(model):
             yield
@@ -142,47 +222,115 @@ def generation_capacity(model: nn.Module, prompt_length: int, kwargs: dict) -> i
     return max(int(new), 1)
 
 
+def model_key(model: nn.Module) -> tuple:
+    """What a compressed context must share with the model it is used with: the checkpoint's name and the cache's
+    geometry (layers, kv heads, head dim) and vocabulary."""
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return (str(getattr(c, "name_or_path", "")), c.num_hidden_layers, heads, head_dim, c.vocab_size)
+
+
+def check_contexts(model: nn.Module, contexts: list[CompressedContext]) -> None:
+    """One-line refusals for contexts the model cannot continue: compressed by another model, or stored on
+    another device than the layer that reads them (the model moved since)."""
+    key = model_key(model)
+    for c in contexts:
+        if c.model_key and c.model_key != key:
+            raise ValueError(f"contexts: compressed by another model ({c.model_key[0]!r}: {c.model_key[1]} layers, "
+                             f"{c.model_key[2]} kv heads × {c.model_key[3]}); this model is {key[0]!r}: {key[1]} "
+                             f"layers, {key[2]} kv heads × {key[3]}")
+    from spark_bench.engine.prefill import attention_modules
+
+    for module, layer in zip(attention_modules(model), contexts[0].cache.layers):
+        device = module.k_proj.weight.device
+        for c in contexts:
+            stored = c.cache.layers[module.layer_idx].value_store
+            held = store_device(stored)
+            if held != device and not (held.type == device.type == "cpu"):
+                raise ValueError(f"contexts: layer {module.layer_idx}'s stores are on {held} but the model now runs "
+                                 f"it on {device}; compress again after moving the model")
+
+
+def _ids_of(input_ids) -> list[int]:
+    return input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
+
+
 @torch.no_grad()
 def generate(model: nn.Module, contexts: CompressedContext | list[CompressedContext],
              input_ids: torch.Tensor | list[int] | None = None, stack: bool = True, **generate_kwargs):
-    """``model.generate`` continued from compressed contexts, one row per context (all built from the same prompt);
-    returns what ``model.generate`` returns (the sequences: ``input_ids`` then the new tokens, per row).
+    """``model.generate`` continued from compressed contexts, one row per context; returns what ``model.generate``
+    returns (the sequences: ``input_ids`` then the new tokens, per row).
 
     ``input_ids``: the tokens to continue from (default: the contexts' own prompt, suffix included); they must
     begin with the compressed tokens, and whatever follows them runs through the cache first (e.g. a question
     over a compressed context). ``generate_kwargs`` go to ``model.generate`` (``max_new_tokens``, ``do_sample``,
-    ``temperature``, ``eos_token_id``, ``stop_strings`` with ``tokenizer``, ``streamer``, ...); beam search and
-    assisted decoding are not supported. ``stack`` (default, as the harness): the rows a compact kernel serves share
-    one kernel call per layer (:class:`~spark_bench.engine.cache.BatchedLayer`), reading the contexts' stores in
-    place (nothing is copied; the contexts stay usable); ``False``: each row on its own."""
+    ``temperature``, ``num_return_sequences``, ``eos_token_id``, ``stop_strings`` with ``tokenizer``, ``streamer``,
+    ...); ``num_return_sequences=k`` reads each context's stores from k rows (nothing copied); beam search and
+    assisted decoding are refused. ``stack`` (default, as the harness): the rows a compact kernel serves share one
+    kernel call per layer (:class:`~spark_bench.engine.cache.BatchedLayer`); ``False``: each row on its own.
+
+    Contexts of *different* prompts (a batch of :func:`spark_bench.compress` calls) decode together through the
+    harness's greedy decoder, each row with its own positions and stop tokens (``max_new_tokens``,
+    ``min_new_tokens``, ``eos_token_id``; sampling is refused): returns one 1-D tensor per context, its prompt then
+    its new tokens (up to, not including, a stop token), the tokens of decoding it alone."""
     contexts = [contexts] if isinstance(contexts, CompressedContext) else list(contexts)
-    if not contexts:
-        raise ValueError("generate needs at least one compressed context")
+    if not contexts or not all(isinstance(c, CompressedContext) for c in contexts):
+        raise ValueError("contexts: generate takes a CompressedContext (spark_bench.compress) or a non-empty list")
+    check_contexts(model, contexts)
     first = contexts[0]
-    ids = list(first.input_ids) if input_ids is None else (
-        input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids))
+    for key in ("past_key_values", "compressed_cache", "use_cache"):
+        if key in generate_kwargs:
+            raise ValueError(f"{key}: generate sets it itself")
+    if generate_kwargs.get("num_beams", 1) != 1 or generate_kwargs.get("assistant_model") is not None:
+        raise ValueError("num_beams: compressed contexts support greedy decoding and sampling "
+                         "(num_return_sequences=k), not beam search or assisted decoding")
+    if input_ids is None and any(c.input_ids != first.input_ids for c in contexts):
+        return _generate_apart(model, contexts, stack, generate_kwargs)
+    ids = list(first.input_ids) if input_ids is None else _ids_of(input_ids)
     for c in contexts:
         if c.end != first.end or tuple(c.input_ids[:c.end]) != tuple(ids[:first.end]):
             raise ValueError("input_ids must begin with the tokens every context compressed "
                              f"({first.end} tokens); a batch of contexts must share them")
     if len(ids) < first.end:
         raise ValueError(f"input_ids holds {len(ids)} tokens, fewer than the {first.end} compressed ones")
+    vocab = model.get_input_embeddings().num_embeddings
+    if max(ids) >= vocab or min(ids) < 0:
+        raise ValueError(f"input_ids: token id {max(ids) if max(ids) >= vocab else min(ids)} is outside the "
+                         f"model's vocabulary (0 … {vocab - 1})")
+    copies = int(generate_kwargs.get("num_return_sequences") or 1)
+    rows = [c for c in contexts for _ in range(copies)]  # generate expands input ids the same way (interleaved)
     replay = None
     if len(ids) == first.end:
         if any(c.first_logits is None for c in contexts):
             raise ValueError("nothing follows the compressed tokens and no prefill logits were kept for them")
-        replay = torch.stack([c.first_logits.reshape(-1) for c in contexts])
-    for key in ("past_key_values", "compressed_cache", "use_cache"):
-        if key in generate_kwargs:
-            raise ValueError(f"generate sets {key} itself")
-    if generate_kwargs.get("num_beams", 1) != 1 or generate_kwargs.get("assistant_model") is not None:
-        raise ValueError("compressed contexts support greedy decoding and sampling, not beam search or assisted "
-                         "decoding")
+        replay = torch.stack([c.first_logits.reshape(-1) for c in rows])
     device = model.get_input_embeddings().weight.device
     batch = torch.tensor([ids] * len(contexts), device=device)
-    cache = GenerationCache([c.cache for c in contexts],
-                            len(ids) - first.end + generation_capacity(model, len(ids), generate_kwargs),
-                            seen=first.end, replay=replay, stack=stack)
+    cache = SparkCache([c.cache for c in rows],
+                       len(ids) - first.end + generation_capacity(model, len(ids), generate_kwargs),
+                       seen=first.end, replay=replay, stack=stack)
     with generation_switched_on(model, cache):
-        return model.generate(batch, past_key_values=cache, use_cache=True,
-                              **generate_kwargs)
+        return model.generate(batch, past_key_values=cache, use_cache=True, **generate_kwargs)
+
+
+GREEDY_KEYS = {"max_new_tokens", "min_new_tokens", "eos_token_id", "do_sample", "pad_token_id"}
+
+
+def _generate_apart(model: nn.Module, contexts: list[CompressedContext], stack: bool, kwargs: dict) -> list:
+    """Contexts of different prompts: the harness's batched greedy decoder (:func:`decode_rows`)."""
+    from spark_bench.engine.decode import DecodeRow, decode_rows
+
+    other = sorted(set(kwargs) - GREEDY_KEYS)
+    if other or kwargs.get("do_sample"):
+        raise ValueError(f"{', '.join(other) or 'do_sample'}: contexts of different prompts decode together "
+                         f"greedily (keys: {', '.join(sorted(GREEDY_KEYS - {'do_sample', 'pad_token_id'}))}); "
+                         "sample each prompt with its own generate call")
+    config = model.generation_config
+    stops = kwargs.get("eos_token_id", config.eos_token_id)
+    stops = frozenset([] if stops is None else [stops] if isinstance(stops, int) else stops)
+    max_new = kwargs.get("max_new_tokens") or config.max_new_tokens or 20
+    rows = [DecodeRow(c.cache, c.first_logits, c.end, max_new, stops, kwargs.get("min_new_tokens") or 0,
+                      suffix=c.suffix) for c in contexts]
+    decode_rows(model, rows, stack=stack, graph=False)
+    return [torch.tensor(list(c.input_ids) + row.tokens) for c, row in zip(contexts, rows)]

@@ -226,7 +226,14 @@ def run_prefill(model: nn.Module, input_ids: torch.Tensor, window: int,
     raw = raw_queries and normed
     with capture_window_queries(model, window, query_stats, length, ends, raw) as queries:
         out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    first_logits = out.logits[0, -1].float()
+    return assemble_prefill(cache, queries, out.logits[0, -1].float(), ends, raw, normed, start)
+
+
+def assemble_prefill(cache: DynamicCache, queries: dict, first_logits: torch.Tensor, ends: tuple[int, ...],
+                     raw: bool, normed: bool, start: float) -> Prefill:
+    """The :class:`Prefill` of a finished forward: its dense cache's keys and values, the window queries (and
+    statistics) :func:`capture_window_queries` recorded, its last logits; timed from ``start`` (perf_counter)."""
+    length = cache.get_seq_length()
     layers = tuple(
         LayerPrefill(layer.keys, layer.values, queries[i], *queries.get(("stats", i), (None, None)))
         for i, layer in enumerate(cache.layers)
