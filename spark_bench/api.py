@@ -29,7 +29,8 @@ from omegaconf import OmegaConf
 from spark_bench.benchmarks.base import Prompt, Sample, encode_prompt
 from spark_bench.checks import CONF_DIR, protocol_options
 from spark_bench.engine.compress import compress_prefill, prefill_for
-from spark_bench.engine.generate import CompressedContext, SparkCache, generate, model_key
+from spark_bench.engine.generate import CompressedContext, SparkCache, generate
+from spark_bench.engine.prefill import model_key
 from spark_bench.engine.press import Pressed, pressed
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.pipeline import ratio_needed, sweep_labels
@@ -41,7 +42,8 @@ __all__ = ["CompressedContext", "SparkCache", "ask", "compress", "generate", "lo
 def method(name: str = "full", protocol: str | None = "official", **options) -> MethodConfig:
     """A method config from the command line's names and options: ``method("snapkv+spark", ratio=0.8,
     budget=0.2)`` is ``spark-bench method=snapkv+spark ratio=0.8 budget=0.2``. ``protocol`` (default ``official``, as
-    on the command line; None: none) sets its options first (``conf/protocol/<name>.yaml``); ``options`` win.
+    on the command line; None: none) sets its options first (``conf/protocol/<name>.yaml``); ``options`` win;
+    ``repr(config)`` starts with it.
     A bad name or value raises ``ValueError`` with the command line's message; so does a fixed-T ``+think`` /
     ``+spark`` method without ``ratio`` (:func:`~spark_bench.methods.pipeline.ratio_needed`: ``ratio=0`` said
     explicitly is the base method)."""
@@ -50,7 +52,7 @@ def method(name: str = "full", protocol: str | None = "official", **options) -> 
     needed = ratio_needed(config) if "ratio" not in values else None
     if needed:
         raise ValueError(needed)
-    return config
+    return replace(config, protocol=protocol)
 
 
 def prompt(tokenizer, context: str, question: str = "", answer_prefix: str = "", chat_template: bool | str = True,

@@ -12,7 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from spark_bench.models import ModelConfig
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"  # the package's configs (shipped in the wheel)
+_PACKAGED_CONF = Path(__file__).resolve().parent / "conf"  # a wheel install: conf/ ships as spark_bench/conf
+CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else _PACKAGED_CONF.parent.parent / "conf"  # a checkout
 CONFIG_GROUPS = ("model", "benchmark", "method", "sweep", "experiment", "protocol")  # conf/<group>/<name>.yaml
 
 

@@ -13,7 +13,6 @@ import json
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import fields
 from pathlib import Path
 
 import hydra
@@ -36,10 +35,10 @@ SINKED = ("streamingllm", "expected_attention")   # evictions that always keep n
 
 
 def method_options() -> tuple[str, ...]:
-    """The method options that are also top-level config keys (every :class:`MethodConfig` field but ``name``)."""
-    from spark_bench.methods import MethodConfig
+    """The method options that are also top-level config keys (:func:`~spark_bench.methods.pipeline.option_names`)."""
+    from spark_bench.methods.pipeline import option_names
 
-    return tuple(f.name for f in fields(MethodConfig) if f.name != "name")
+    return option_names()
 
 
 def method_configs(cfg: DictConfig) -> list[MethodConfig]:

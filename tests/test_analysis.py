@@ -119,7 +119,7 @@ def test_saliency_refuses_bad_keys_before_the_model_loads(overrides, message, tm
 
 
 FIGURE2C = [MethodConfig(**c) for c in OmegaConf.to_container(
-    OmegaConf.load(ROOT / "spark_bench/conf/sweep/figure2c.yaml"))["configs"]]
+    OmegaConf.load(ROOT / "conf/sweep/figure2c.yaml"))["configs"]]
 
 
 def _samples(n=4):

@@ -1,5 +1,5 @@
 """A normal install works: the built wheel, in a fresh virtual environment with no repository on the path, carries
-its configs (``spark_bench/conf``), resolves a config and runs a tiny model from any directory."""
+its configs (the repository's ``conf/``, shipped as ``spark_bench/conf``), resolves a config and runs a tiny model from any directory."""
 
 import json
 import shutil
@@ -24,7 +24,8 @@ def installed(tmp_path_factory):
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    shutil.copytree(ROOT / "spark_bench", source / "spark_bench", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("spark_bench", "conf"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp / "dist"), str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp / "dist").glob("spark_bench-*.whl")

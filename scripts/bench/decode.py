@@ -12,7 +12,7 @@ measured in one run and one process.
   ``DynamicCache`` holding the full prompt for every row (the reference limit), at the same batch size.
 
 Writes ``results/bench/decode.json``. ``--model``/``--device`` measure another model config (a name under
-``spark_bench/conf/model`` or a YAML path) on another device, e.g. a random SmolLM2-shaped model on a GPU (``--out`` elsewhere).
+``conf/model`` or a YAML path) on another device, e.g. a random SmolLM2-shaped model on a GPU (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1, help="samples per needle task (8 tasks)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=Path("results/bench/decode.json"))
-    parser.add_argument("--model", default="smollm2-135m", help="a name under spark_bench/conf/model, or a model YAML path")
+    parser.add_argument("--model", default="smollm2-135m", help="a name under conf/model, or a model YAML path")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sweeps", default="demo,fourteen", help="comma-separated: demo, fourteen")
     parser.add_argument("--steps-only", action="store_true", help="only (re)measure the single-step comparison")

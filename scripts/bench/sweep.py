@@ -41,7 +41,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     root = Path(__file__).resolve().parents[2]
-    model_cfg = ModelConfig.from_dict(OmegaConf.to_container(OmegaConf.load(root / "spark_bench/conf/model/smollm2-135m.yaml")))
+    model_cfg = ModelConfig.from_dict(OmegaConf.to_container(OmegaConf.load(root / "conf/model/smollm2-135m.yaml")))
     lm = load_model(model_cfg, "cpu")
     tasks = ["niah_single_1", "niah_multikey_1"]
     scratch = args.out.parent / "sweep_runs"

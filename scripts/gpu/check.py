@@ -30,7 +30,7 @@ import spark_bench  # noqa: E402
 from spark_bench.engine.cache import BatchedCache  # noqa: E402
 from spark_bench.engine.decode import DecodeRow, decode_rows  # noqa: E402
 
-CONF = Path(spark_bench.__file__).resolve().parent / "conf"
+from spark_bench.checks import CONF_DIR as CONF  # noqa: E402  (conf/ in a checkout, spark_bench/conf in a wheel)
 
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s (SXM parts, published)
 MIX = [("snapkv", {}), ("snapkv+think", {"ratio": 0.5}), ("snapkv+spark", {"ratio": 0.5}),

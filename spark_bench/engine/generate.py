@@ -30,6 +30,7 @@ from torch import nn
 
 from spark_bench.engine.attention import CACHE_ATTRIBUTE, compressed_attention_enabled
 from spark_bench.engine.cache import BatchedCache, CompressedCache, store_device
+from spark_bench.engine.prefill import attention_modules, model_key
 
 
 @dataclass
@@ -102,7 +103,7 @@ class CompressedContext:
         """A context :meth:`save` wrote, for ``model`` (refused in one line if another model's)."""
         from spark_bench.engine.saved import load_context
 
-        return load_context(path, model)
+        return load_context(cls, path, model)
 
     @property
     def key_ratio(self) -> float:
@@ -222,15 +223,6 @@ def generation_capacity(model: nn.Module, prompt_length: int, kwargs: dict) -> i
     return max(int(new), 1)
 
 
-def model_key(model: nn.Module) -> tuple:
-    """What a compressed context must share with the model it is used with: the checkpoint's name and the cache's
-    geometry (layers, kv heads, head dim) and vocabulary."""
-    c = model.config
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return (str(getattr(c, "name_or_path", "")), c.num_hidden_layers, heads, head_dim, c.vocab_size)
-
-
 def check_contexts(model: nn.Module, contexts: list[CompressedContext]) -> None:
     """One-line refusals for contexts the model cannot continue: compressed by another model, or stored on
     another device than the layer that reads them (the model moved since)."""
@@ -240,8 +232,6 @@ def check_contexts(model: nn.Module, contexts: list[CompressedContext]) -> None:
             raise ValueError(f"contexts: compressed by another model ({c.model_key[0]!r}: {c.model_key[1]} layers, "
                              f"{c.model_key[2]} kv heads × {c.model_key[3]}); this model is {key[0]!r}: {key[1]} "
                              f"layers, {key[2]} kv heads × {key[3]}")
-    from spark_bench.engine.prefill import attention_modules
-
     for module, layer in zip(attention_modules(model), contexts[0].cache.layers):
         device = module.k_proj.weight.device
         for c in contexts:

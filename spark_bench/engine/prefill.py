@@ -104,6 +104,15 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return sorted(mods, key=lambda m: m.layer_idx)
 
 
+def model_key(model: nn.Module) -> tuple:
+    """What a compressed context must share with the model it is used with: the checkpoint's name and the cache's
+    geometry (layers, kv heads, head dim) and vocabulary."""
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return (str(getattr(c, "name_or_path", "")), c.num_hidden_layers, heads, head_dim, c.vocab_size)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

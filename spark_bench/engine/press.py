@@ -20,14 +20,13 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 from transformers import Cache
 
 from spark_bench.engine.attention import ATTENTION_NAME
 from spark_bench.engine.compress import compress_prefill, prefill_spec
-from spark_bench.engine.generate import CompressedContext, SparkCache, model_key
-from spark_bench.engine.prefill import assemble_prefill, capture_window_queries, has_q_norm
+from spark_bench.engine.generate import CompressedContext, SparkCache
+from spark_bench.engine.prefill import assemble_prefill, capture_window_queries, has_q_norm, model_key
 
 if TYPE_CHECKING:
     from spark_bench.methods import Pipeline

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from spark_bench.engine.cache import CompressedCache, StoredLayer
-from spark_bench.engine.generate import CompressedContext, model_key
+from spark_bench.engine.prefill import attention_modules, model_key
 
 FORMAT = "spark-bench-context/1"
 CONTEXT_FIELDS = ("input_ids", "end", "first_logits", "dense_bytes", "method", "label", "prefill_s", "compress_s",
@@ -87,7 +87,7 @@ class _Reader:
         return cls(**{k: self.decode(v, device) for k, v in value["fields"].items()})
 
 
-def save_context(context: CompressedContext, path: str | Path) -> Path:
+def save_context(context, path: str | Path) -> Path:
     """Write ``context`` (its stores, not a decoded tail) to ``path`` (safetensors)."""
     writer = _Writer()
     layers = []
@@ -101,11 +101,9 @@ def save_context(context: CompressedContext, path: str | Path) -> Path:
     return path
 
 
-def load_context(path: str | Path, model: nn.Module) -> CompressedContext:
-    """Read a context :func:`save_context` wrote, for ``model`` (the same checkpoint's geometry and vocabulary;
+def load_context(cls: type, path: str | Path, model: nn.Module):
+    """Read a context (a ``cls``, :class:`~spark_bench.engine.generate.CompressedContext`) :func:`save_context` wrote, for ``model`` (the same checkpoint's geometry and vocabulary;
     refused in one line otherwise), each layer's stores on the device of the model layer that reads them."""
-    from spark_bench.engine.prefill import attention_modules
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"path: {path} is not a file")
@@ -131,4 +129,4 @@ def load_context(path: str | Path, model: nn.Module) -> CompressedContext:
     fields["model_key"] = key
     first = fields["first_logits"]
     fields["first_logits"] = None if first is None else first.to(model.get_input_embeddings().weight.device)
-    return CompressedContext(CompressedCache(layers, header["attention"]), **fields)
+    return cls(CompressedCache(layers, header["attention"]), **fields)

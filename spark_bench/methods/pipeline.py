@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from spark_bench.engine.clock import synchronize
 from spark_bench.engine.cache import CompressedCache, StoredLayer
@@ -135,15 +135,22 @@ class MethodConfig:
     pyramid_fallback: str = "original"
     alpha_safeguard: float = 0.2
     ada_safeguard: str = "kvpress"
+    # the protocol whose options the library's spark_bench.method() started from (None: not said); shown first by
+    # repr, not an option: no effect on what is computed, equality, to_dict or from_dict
+    protocol: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.name not in METHOD_NAMES:
             raise ValueError(f"unknown method {self.name!r}; valid: {', '.join(METHOD_NAMES)}")
-        check_all({f.name: getattr(self, f.name) for f in fields(self)}, OPTION_TYPES)
+        check_all({name: getattr(self, name) for name in option_names()}, OPTION_TYPES)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{name}={getattr(self, name)!r}" for name in ("name", *option_names()))
+        return f"MethodConfig(protocol={self.protocol!r}, {body})"
 
     @classmethod
     def from_dict(cls, values: dict) -> "MethodConfig":
-        known = {f.name for f in fields(cls)}
+        known = {"name", *option_names()}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown method option(s) {unknown}; valid: {sorted(known)}")
@@ -197,7 +204,14 @@ class MethodConfig:
         return text
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        del values["protocol"]
+        return values
+
+
+def option_names() -> tuple[str, ...]:
+    """The method options (every :class:`MethodConfig` field but ``name`` and ``protocol``): top-level config keys."""
+    return tuple(f.name for f in fields(MethodConfig) if f.name not in ("name", "protocol"))
 
 
 def _option_text(value) -> str:
