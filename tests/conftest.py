@@ -40,3 +40,21 @@ def tiny_lm():
 def tiny_prefill(tiny_lm):
     ids = torch.randint(100, 5000, (1, 160), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     return run_prefill(tiny_lm.model, ids, window=32, query_stats=QueryStatsSpec())
+
+
+MEASURED = {"scores.csv": ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_mem_bytes"),
+            "table.md": ("Prefill s", "Compress s", "Decode tok/s", "Peak MiB")}
+
+
+def reproducible(path: Path) -> bytes:
+    """A run file without its measured columns (times, peak memory: they differ from run to run): predictions
+    byte for byte, scores.csv and table.md without the cost measurements; what must be byte-identical across
+    batchings, resumes and shards."""
+    drop = MEASURED.get(path.name)
+    if drop is None:
+        return path.read_bytes()
+    rows = [line.split(",") if path.suffix == ".csv" else line.split(" | ")
+            for line in path.read_text().splitlines()]
+    keep = [i for i, name in enumerate(rows[0]) if name.strip("| ") not in drop]
+    sep = "," if path.suffix == ".csv" else " | "
+    return "\n".join(sep.join(row[i] for i in keep if i < len(row)) for row in rows).encode()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, reproducible
 
 from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.engine.prefill import run_prefill
@@ -95,7 +95,7 @@ def test_sweep_results_do_not_depend_on_decode_batch(tiny_lm, tmp_path, decode_b
     run_sweep(tiny_lm, samples, configs, tmp_path / "many", log=lambda m: None, decode_batch=decode_batch,
               decode_samples=decode_samples)
     for name in ("predictions.jsonl", "scores.csv", "table.md"):
-        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "many" / name).read_bytes()
+        assert reproducible(tmp_path / "one" / name) == reproducible(tmp_path / "many" / name)
 
 
 @pytest.mark.parametrize("decode_batch", [None, 2])

@@ -106,9 +106,16 @@ def test_our_runs_render_with_the_paper_beside(run_dir, tmp_path):
     latex = to_latex(frame, RULER)
     assert latex.startswith(r"\begin{tabular}") and r"\textit{KV-size 64}" in latex
     report_main([str(out), "--layout", "ruler", "--out", str(tmp_path / "rep"), "--figures"])
-    for name in ("table.md", "table.csv", "table.tex", "fig5a_score_vs_ratio.png", "fig5c_score_vs_bytes.png"):
+    for name in ("table.md", "table.csv", "table.tex", "cost.md", "cost.csv", "fig5a_score_vs_ratio.png",
+                 "fig5c_score_vs_bytes.png", "fig_score_vs_throughput.png"):
         data = (tmp_path / "rep" / name).read_bytes()
         assert data and (not name.endswith(".png") or data[:4] == b"\x89PNG")
+    cost = pd.read_csv(tmp_path / "rep" / "cost.csv", index_col="config")  # the run's own scores.csv, per config
+    scores = pd.read_csv(out / "scores.csv")
+    for config, part in scores.groupby("config"):
+        assert cost.loc[config, "KV MiB"] == pytest.approx((part.kv_bytes * part.n).sum() / part.n.sum() / 2 ** 20)
+        assert cost.loc[config, "Decode tok/s"] == pytest.approx(part.new_tokens.sum() / part.decode_s.sum())
+        assert cost.loc[config, "Prefill s"] > 0 and cost.loc[config, "Peak MiB"] > 0
 
 
 def test_ablation_layouts_from_runs(tiny_lm, tmp_path):

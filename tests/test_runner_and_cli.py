@@ -42,8 +42,22 @@ def test_sweep_writes_predictions_scores_and_table(sweep_run, samples):
     scores = pd.read_csv(out / "scores.csv")
     assert len(scores) == len(SWEEP) * 2
     table = (out / "table.md").read_text().splitlines()
-    assert table[0] == "| Method | niah_single_1 | niah_multikey_2 | Avg | KV % | Key ratio |"
-    assert [row.split(" | ")[0].lstrip("| ") for row in table[2:]] == [c.label for c in SWEEP]
+    assert table[0] == ("| Method | niah_single_1 | niah_multikey_2 | Avg | KV % | Key ratio | KV MiB | Prefill s | "
+                        "Compress s | Decode tok/s | Peak MiB |")
+    assert [row.split(" | ")[0].lstrip("| ") for row in table[2:2 + len(SWEEP)]] == [c.label for c in SWEEP]
+    # the cost beside the scores: positive, the bytes the predictions' own, the tokens over the decode seconds
+    frame = pd.DataFrame(lines).merge(pd.DataFrame(timings), on=["id", "config"])
+    for (config, task), group in frame.groupby(["config", "task"]):
+        row = scores[(scores.config == config) & (scores.task == task)].iloc[0]
+        assert row.kv_bytes == group.kv_bytes.mean() and row.n == len(group)
+        assert row.prefill_s == pytest.approx(group.prefill_s.mean()) and row.prefill_s > 0
+        assert row.compress_s >= 0 and row.peak_mem_bytes == group.peak_mem_bytes.max() > 0
+        assert row.decode_tok_s == pytest.approx(group.tokens.map(len).sum() / group.decode_s.sum())
+        assert row.decode_tok_s > 0
+    cells = dict(zip(table[0].split(" | "), table[2].split(" | ")))
+    first = scores[scores.config == SWEEP[0].label]
+    assert float(cells["KV MiB"]) == pytest.approx((first.kv_bytes * first.n).sum() / first.n.sum() / 2 ** 20,
+                                                   abs=0.005)
 
 
 def test_sweep_shares_prefill(sweep_run):

@@ -105,6 +105,14 @@ def main(argv: list[str] | None = None) -> None:
             "Cells: ours (paper, ours − paper)", "Cells: ours (paper, ours − paper: NOT COMPARABLE, another model)")
     outputs[f"{args.name}.md"] = header + outputs[f"{args.name}.md"]
     print(outputs[f"{args.name}.md"])
+    if runs:
+        from spark_bench.report.figures import load_predictions
+        from spark_bench.tables import cost_markdown
+
+        predictions = load_predictions(runs)
+        outputs["cost.md"], cost = cost_markdown(predictions)
+        outputs["cost.csv"] = cost.rename_axis("config").to_csv()
+        print("What each config cost (measured):\n\n" + outputs["cost.md"])
     if samples is not None and args.ci and layout.name != "longbench_e":
         from spark_bench.report.compare import paired_frame, paired_markdown
 
@@ -122,9 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         for name, text in outputs.items():
             (args.out / name).write_text(text, encoding="utf-8")
         if args.figures:
-            from spark_bench.report.figures import figure_bytes, figure_ratio, load_predictions
+            from spark_bench.report.figures import figure_bytes, figure_ratio, figure_throughput
 
-            preds = load_predictions(runs)
-            figure_ratio(preds, args.out / "fig5a_score_vs_ratio.png")
-            figure_bytes(preds, args.out / "fig5c_score_vs_bytes.png")
+            figure_ratio(predictions, args.out / "fig5a_score_vs_ratio.png")
+            figure_bytes(predictions, args.out / "fig5c_score_vs_bytes.png")
+            figure_throughput(predictions, args.out / "fig_score_vs_throughput.png")
         print(f"spark-bench-report: wrote {', '.join(sorted(outputs))} to {args.out}")

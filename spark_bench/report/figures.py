@@ -2,7 +2,8 @@
 
 * (a) score vs key pruning ratio λ for SparK, ThinK and unrecovered SparK (``recovery=none``), one eviction
   method and budget;
-* (c) score vs measured KV-cache bytes for every config (eviction alone, +ThinK, +SparK).
+* (c) score vs measured KV-cache bytes for every config (eviction alone, +ThinK, +SparK);
+* and beside them, score vs measured decode throughput (tokens/s, batched as run) for every config.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from spark_bench.results import parse_records
+from spark_bench.results import TIMING_FIELDS, parse_records
 
 
 def pyplot():
@@ -33,10 +34,16 @@ def save(fig, path: Path) -> Path:
 
 
 def load_predictions(directories) -> pd.DataFrame:
+    """The runs' predictions, each with its timings (``timings.jsonl``: NaN where a run has none)."""
     frames = []
     for directory in directories:
         path = Path(directory) / "predictions.jsonl"
-        frames.append(pd.DataFrame(parse_records(path, path.read_bytes())))
+        preds = pd.DataFrame(parse_records(path, path.read_bytes()))
+        timings = Path(directory) / "timings.jsonl"
+        if timings.exists():
+            times = pd.DataFrame(parse_records(timings, timings.read_bytes()))
+            preds = preds.merge(times[["id", "config", *TIMING_FIELDS]], on=["id", "config"], how="left")
+        frames.append(preds.reindex(columns=[*preds.columns, *(f for f in TIMING_FIELDS if f not in preds)]))
     preds = pd.concat(frames, ignore_index=True)
     method = pd.DataFrame(list(preds.method))
     return preds.assign(name=method.name, ratio=method.ratio, recovery=method.recovery, budget=method.budget)
@@ -45,10 +52,13 @@ def load_predictions(directories) -> pd.DataFrame:
 def _per_config(preds: pd.DataFrame) -> pd.DataFrame:
     task_means = preds.groupby(["config", "task"], sort=False).agg(
         score=("score", "mean"), name=("name", "first"), ratio=("ratio", "first"), recovery=("recovery", "first"),
-        budget=("budget", "first"), kv_bytes=("kv_bytes", "mean"))
+        budget=("budget", "first"), kv_bytes=("kv_bytes", "mean"), new_tokens=("tokens", lambda t: t.map(len).sum()),
+        decode_s=("decode_s", "sum"))
     return task_means.groupby("config", sort=False).agg(
         score=("score", "mean"), name=("name", "first"), ratio=("ratio", "first"), recovery=("recovery", "first"),
-        budget=("budget", "first"), kv_mib=("kv_bytes", lambda b: b.mean() / 2 ** 20)).reset_index()
+        budget=("budget", "first"), kv_mib=("kv_bytes", lambda b: b.mean() / 2 ** 20),
+        new_tokens=("new_tokens", "sum"), decode_s=("decode_s", "sum")).reset_index().assign(
+            tok_s=lambda f: f.new_tokens / f.decode_s)
 
 
 def figure_ratio(preds: pd.DataFrame, path: Path, eviction: str = "snapkv") -> Path:
@@ -73,7 +83,8 @@ def figure_ratio(preds: pd.DataFrame, path: Path, eviction: str = "snapkv") -> P
     return save(fig, path)
 
 
-def figure_bytes(preds: pd.DataFrame, path: Path) -> Path:
+def _scatter(preds: pd.DataFrame, path: Path, x: str, xlabel: str, title: str) -> Path:
+    """Average score against ``x`` per config, one colour per family (eviction alone or full, +ThinK, +SparK)."""
     plt = pyplot()
     rows = _per_config(preds)
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -81,9 +92,19 @@ def figure_bytes(preds: pd.DataFrame, path: Path) -> Path:
                          "+ThinK": rows.name.str.endswith("+think"),
                          "+SparK": rows.name.str.endswith("+spark") & (rows.recovery == "degenerate")}.items():
         part = rows[mask]
-        ax.scatter(part.kv_mib, part.score, label=family)
-    ax.set_xlabel("KV cache held after compression (MiB, measured)")
+        ax.scatter(part[x], part.score, label=family)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("average score")
-    ax.set_title("Score vs KV-cache bytes")
+    ax.set_title(title)
     ax.legend()
     return save(fig, path)
+
+
+def figure_bytes(preds: pd.DataFrame, path: Path) -> Path:
+    return _scatter(preds, path, "kv_mib", "KV cache held after compression (MiB, measured)",
+                    "Score vs KV-cache bytes")
+
+
+def figure_throughput(preds: pd.DataFrame, path: Path) -> Path:
+    return _scatter(preds, path, "tok_s", "decode throughput (tokens/s per config, batched as run)",
+                    "Score vs decode throughput")
