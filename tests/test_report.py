@@ -110,6 +110,8 @@ def test_our_runs_render_with_the_paper_beside(run_dir, tmp_path):
                  "fig5c_score_vs_bytes.png", "fig_score_vs_throughput.png"):
         data = (tmp_path / "rep" / name).read_bytes()
         assert data and (not name.endswith(".png") or data[:4] == b"\x89PNG")
+    md = (tmp_path / "rep" / "table.md").read_text()  # two RULER samples per cell: below the paper's 500
+    assert "samples per cell below the paper's: niah_single_1 n=1 (paper 500), niah_multikey_2 n=1 (paper 500)" in md
     cost = pd.read_csv(tmp_path / "rep" / "cost.csv", index_col="config")  # the run's own scores.csv, per config
     scores = pd.read_csv(out / "scores.csv")
     for config, part in scores.groupby("config"):

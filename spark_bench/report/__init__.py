@@ -16,10 +16,12 @@ from pathlib import Path
 import pandas as pd
 
 from spark_bench.report import stats
+from spark_bench.report.figures import load_predictions
 from spark_bench.report.frame import completeness, read_paper_csv, read_runs, read_sample_scores
 from spark_bench.report.layouts import LAYOUTS, Layout
 from spark_bench.report.paper import paper_table, paper_tables
 from spark_bench.report.render import to_csv, to_latex, to_markdown
+from spark_bench.report.setup import sample_note
 
 FORMATS = {"md": to_markdown, "csv": to_csv, "tex": to_latex}
 
@@ -96,7 +98,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     for line in incomplete + [f"not like with like: {line}" for line in unlike]:
         print(f"spark-bench-report: warning: {line}", file=sys.stderr)
+    predictions = load_predictions(runs) if runs else None
+    notes = []
+    for i, run in enumerate(runs):  # each task's fewest samples in a cell, against the paper's count
+        fewest = predictions[predictions.run == i].groupby(["config", "task"], sort=False).size().groupby(
+            "task", sort=False).min()
+        notes.append(sample_note(run, fewest.to_dict()))
     header = "".join(f"**{line[0].upper()}{line[1:]}**\n\n" for line in incomplete)
+    header += "".join(f"{line}\n\n" for line in notes if line)
     header += "".join(f"{line}\n\n" for line in setups if line)
     header += "".join(f"**Not like with like:** {line}\n\n" for line in unlike)
     outputs = {f"{args.name}.{ext}": render(frame, layout, paper) for ext, render in FORMATS.items()}
@@ -106,10 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     outputs[f"{args.name}.md"] = header + outputs[f"{args.name}.md"]
     print(outputs[f"{args.name}.md"])
     if runs:
-        from spark_bench.report.figures import load_predictions
         from spark_bench.tables import cost_markdown
 
-        predictions = load_predictions(runs)
         outputs["cost.md"], cost = cost_markdown(predictions)
         outputs["cost.csv"] = cost.rename_axis("config").to_csv()
         print("What each config cost (measured):\n\n" + outputs["cost.md"])

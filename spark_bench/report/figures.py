@@ -34,16 +34,18 @@ def save(fig, path: Path) -> Path:
 
 
 def load_predictions(directories) -> pd.DataFrame:
-    """The runs' predictions, each with its timings (``timings.jsonl``: NaN where a run has none)."""
+    """The runs' predictions, each with its timings (``timings.jsonl``: NaN where a run has none) and ``run`` (the
+    index of its directory)."""
     frames = []
-    for directory in directories:
+    for i, directory in enumerate(directories):
         path = Path(directory) / "predictions.jsonl"
         preds = pd.DataFrame(parse_records(path, path.read_bytes()))
         timings = Path(directory) / "timings.jsonl"
         if timings.exists():
             times = pd.DataFrame(parse_records(timings, timings.read_bytes()))
             preds = preds.merge(times[["id", "config", *TIMING_FIELDS]], on=["id", "config"], how="left")
-        frames.append(preds.reindex(columns=[*preds.columns, *(f for f in TIMING_FIELDS if f not in preds)]))
+        preds = preds.reindex(columns=[*preds.columns, *(f for f in TIMING_FIELDS if f not in preds)])
+        frames.append(preds.assign(run=i))  # the index of the run in ``directories``
     preds = pd.concat(frames, ignore_index=True)
     method = pd.DataFrame(list(preds.method))
     return preds.assign(name=method.name, ratio=method.ratio, recovery=method.recovery, budget=method.budget)

@@ -39,6 +39,29 @@ PAPER_SETUP = {
 }
 
 
+# samples per task behind the paper's cells: LongBench's full test sets (THUDM/LongBench task.md, "#Sample"), RULER's
+# default generation (NVIDIA/RULER scripts/run.sh NUM_SAMPLES=500, as kvpress' RULER dataset holds per task)
+PAPER_SAMPLES = {"longbench": {"multifieldqa_en": 150, "lcc": 500, "repobench-p": 500}, "ruler": {}}
+PAPER_DEFAULT_SAMPLES = {"longbench": 200, "ruler": 500}
+
+
+def sample_note(directory, counts: dict) -> str:
+    """``samples below the paper's: task n=… (paper …), …`` for a run's tasks whose fewest samples per cell
+    (``counts``: task → n) are below the paper's per-task count; empty when none is, or the benchmark is unknown."""
+    from spark_bench.benchmarks.longbench import TASKS as LONGBENCH_TASKS
+    from spark_bench.benchmarks.ruler import RULER_TASKS
+
+    benchmark = (run_setup(directory) or {}).get("benchmark")
+    if benchmark is None:  # a run without a benchmark in its manifest: its task names say which
+        benchmark = ("ruler" if set(counts) <= set(RULER_TASKS) else
+                     "longbench" if set(counts) <= set(LONGBENCH_TASKS) else None)
+    if benchmark not in PAPER_DEFAULT_SAMPLES:
+        return ""
+    paper = {t: PAPER_SAMPLES[benchmark].get(t, PAPER_DEFAULT_SAMPLES[benchmark]) for t in counts}
+    below = [f"{t} n={n} (paper {paper[t]})" for t, n in counts.items() if n < paper[t]]
+    return f"{directory}: samples per cell below the paper's: {', '.join(below)}" if below else ""
+
+
 def paper_setup(name: str) -> tuple[Setup | None, int | None]:
     """The setup of ``--paper NAME[@PART]`` (a ``@8K`` part of the RULER appendix table: 8K input)."""
     table, _, part = name.partition("@")
