@@ -10,6 +10,7 @@ value, path or data record gives one line on stderr naming the key or file, exit
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from contextlib import contextmanager
@@ -20,13 +21,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from spark_bench import hub
+from spark_bench import hub, logs
 from spark_bench.commandline import check_sweep, compose_jobs
 from spark_bench.checks import (
     CONF_DIR, PROTOCOL_KEYS, ConfigError, budget_warnings, check_file, check_group_choices, check_options,
     check_output, check_token_ids, cuda_exists, parse_shard, protocol_options, resolve_device,
 )
 from spark_bench.models import ModelConfig, load_model, resolve_sources
+
+LOG = logging.getLogger("spark_bench.cli")  # also when run as python -m spark_bench.cli
 
 # torch / transformers / the method and benchmark modules are imported inside the functions that need them, after
 # the cheap checks (config group names, model and data sources), so a missing model fails in about a second.
@@ -381,6 +384,40 @@ def dry_run(cfg: DictConfig, out_dir: Path) -> None:
         raise DryRunStop("\n".join(f"the run would stop: {p}" for p in problems))
 
 
+def _compute(cfg: DictConfig, out_dir: Path, model_cfg: ModelConfig, configs: list, text, samples: list,
+             payload: dict, complete: bool, prediction, decode_batch) -> None:
+    """The validated run: load the model unless every prediction is on disk, run the sweep, write the config and
+    the memory report (``run.log`` records it)."""
+    from spark_bench import memory
+    from spark_bench.engine.clock import resident_now
+    from spark_bench.results import ResultsMismatch
+    from spark_bench.runner import run_sweep
+
+    loaded = 0
+    if complete:  # nothing to compute: the tables from what is on disk, no model
+        lm = text
+        LOG.info(f"{out_dir} already holds every prediction; the model is not loaded")
+    else:
+        lm = load_model(model_cfg, resolve_device(cfg.device, model_cfg))
+        loaded = resident_now()
+    LOG.info(f"{model_cfg.name} on {cfg.benchmark.name} ({len(samples)} samples) × {len(configs)} method "
+             f"configs → {out_dir}; {protocol_line(cfg)}")
+    try:
+        predictions = run_sweep(lm, samples, configs, out_dir, payload=payload,
+                                progress=bool(cfg.get("progress", True)),
+                                decode_batch=decode_batch, decode_samples=cfg.get("decode_samples", 1),
+                                decode_stack=cfg.get("decode_stack", True), decode_graph=cfg.get("decode_graph", True))
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+        if not complete:
+            memory.write_report(out_dir / "memory.json", prediction, predictions, loaded)
+    except ResultsMismatch as err:
+        raise ConfigError(str(err)) from None
+    except OSError as err:  # disk full, permissions changed: what was written stays valid and resumes
+        where = err.filename or out_dir
+        raise ConfigError(f"writing {where} failed: {err.strerror or err}; the predictions written before are "
+                          f"kept and a rerun resumes from them") from None
+
+
 def run(cfg: DictConfig, out_dir: Path) -> None:
     """Validate everything, then (unless ``dry_run``) lock ``out_dir``, make the samples, and load the model only
     when some prediction is still missing."""
@@ -393,8 +430,6 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
     from spark_bench.engine.clock import resident_now, return_freed_memory
     from spark_bench.models import LoadedModel, load_tokenizer
     from spark_bench.results import DamagedFile, ResultsDir, ResultsMismatch
-    from spark_bench import memory
-    from spark_bench.runner import run_sweep
 
     start = time.perf_counter()
     return_freed_memory()
@@ -403,8 +438,8 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
     decode_batch = cfg.get("decode_batch")
     if decode_batch is None and prediction.decode_batch < prediction.rows:
         decode_batch = prediction.decode_batch
-        print(f"memory: decode_batch={decode_batch} (all {prediction.rows} rows together are predicted not to "
-              f"fit)", flush=True)
+        LOG.info(f"memory: decode_batch={decode_batch} (all {prediction.rows} rows together are predicted not to "
+                 "fit)")
     with _locked(out_dir, wait=bool(cfg.get("wait_lock", False))):
         text = LoadedModel(model_cfg, None, tokenizer)  # the samples need the tokenizer, not the model
         try:
@@ -415,45 +450,23 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         for line in budget_warnings(samples, configs):
-            print(f"spark-bench: warning: {line}", file=sys.stderr, flush=True)
+            LOG.warning(f"warning: {line}")
         payload = run_payload(cfg, text, samples, configs)
         try:
             from spark_bench.methods.pipeline import sweep_labels
 
             results = ResultsDir(out_dir, payload)
             for line in results.check_files(repair=bool(cfg.get("repair", False))):
-                print(f"spark-bench: {line}", flush=True)
+                LOG.warning(line)
             complete = results.complete([s.id for s in samples], sweep_labels(configs))
         except ResultsMismatch as err:
             raise ConfigError(str(err)) from None
         except DamagedFile as err:
             raise ConfigError(f"run={cfg.run}: {err}") from None
-        loaded = 0
-        if complete:  # nothing to compute: the tables from what is on disk, no model
-            lm = text
-            print(f"spark-bench: {out_dir} already holds every prediction; the model is not loaded", flush=True)
-        else:
-            lm = load_model(model_cfg, resolve_device(cfg.device, model_cfg))
-            loaded = resident_now()
-        print(f"spark-bench: {model_cfg.name} on {cfg.benchmark.name} ({len(samples)} samples) × "
-              f"{len(configs)} method configs → {out_dir}\n  {protocol_line(cfg)}", flush=True)
-        try:
-            predictions = run_sweep(lm, samples, configs, out_dir, log=lambda msg: print(msg, flush=True),
-                                    payload=payload, progress=bool(cfg.get("progress", True)) and sys.stderr.isatty(),
-                                    decode_batch=decode_batch, decode_samples=cfg.get("decode_samples", 1),
-                                    decode_stack=cfg.get("decode_stack", True),
-                                    decode_graph=cfg.get("decode_graph", True))
-            (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
-            if not complete:
-                memory.write_report(out_dir / "memory.json", prediction, predictions, loaded)
-        except ResultsMismatch as err:
-            raise ConfigError(str(err)) from None
-        except OSError as err:  # disk full, permissions changed: what was written stays valid and resumes
-            where = err.filename or out_dir
-            raise ConfigError(f"writing {where} failed: {err.strerror or err}; the predictions written before are "
-                              f"kept and a rerun resumes from them") from None
-    print(f"\n{(out_dir / 'table.md').read_text()}\nwall time {time.perf_counter() - start:.0f}s; "
-          f"results in {out_dir}", flush=True)
+        with logs.to_file(out_dir / "run.log"):
+            _compute(cfg, out_dir, model_cfg, configs, text, samples, payload, complete, prediction, decode_batch)
+    print(f"\n{(out_dir / 'table.md').read_text()}", flush=True)
+    LOG.info(f"wall time {time.perf_counter() - start:.0f}s; results in {out_dir}")
 
 
 def fail(tool: str, cfg: DictConfig | None, err: Exception) -> None:
@@ -475,7 +488,10 @@ def _hydra_main(cfg: DictConfig) -> None:
 def checked(tool: str, entry, check_job=None) -> None:
     """Run a console script's Hydra ``entry`` once its command line composes (:mod:`spark_bench.commandline`:
     a bad key is one line, exit 2). A multirun is checked whole first: every job's config through ``check_job``
-    (the checks a job runs before its model loads); one bad job refuses the sweep, one line per bad job."""
+    (the checks a job runs before its model loads); one bad job refuses the sweep, one line per bad job.
+    ``-q`` / ``-v`` anywhere on the command line set the verbosity (:mod:`spark_bench.logs`) and are not Hydra's."""
+    verbosity, sys.argv[1:] = logs.take_flags(sys.argv[1:])
+    logs.configure(verbosity, tool)
     try:
         check_group_choices(sys.argv[1:])
         jobs = compose_jobs(sys.argv[1:])

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -49,6 +50,8 @@ from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.eviction.adasnapkv import AdaSnapKV
 from spark_bench.methods.eviction.snapkv import SnapKV
 from spark_bench.models import ModelConfig
+
+LOG = logging.getLogger(__name__)
 
 GIB = 1024 ** 3
 ARCH_KEYS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "num_params", "hidden_size",
@@ -487,5 +490,5 @@ def write_report(path: Path, prediction, predictions, loaded: int) -> None:
               "resident_after_load_bytes": loaded,
               "prediction": dataclasses.asdict(prediction)}
     path.write_text(json.dumps(report, indent=1), encoding="utf-8")
-    print(f"memory: measured peak {measured / GIB:.2f} GiB, predicted {prediction.peak / GIB:.2f} GiB "
-          f"({report['measured_over_predicted']}×)", flush=True)
+    LOG.info(f"memory: measured peak {measured / GIB:.2f} GiB, predicted {prediction.peak / GIB:.2f} GiB "
+             f"({report['measured_over_predicted']}×)")

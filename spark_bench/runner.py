@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-from tqdm.auto import tqdm
 
 from spark_bench.engine.compress import compress_prefill, prefill_for
 from spark_bench.benchmarks.base import Sample
@@ -21,7 +21,10 @@ from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.pipeline import sweep_labels
 from spark_bench.models import LoadedModel
 from spark_bench.results import TIMING_FIELDS, ResultsDir, read_complete_lines
+from spark_bench.logs import Progress
 from spark_bench.tables import render_markdown, summarize
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,7 @@ def default_payload(lm: LoadedModel, samples: list[Sample], configs: list[Method
 
 
 def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig], out_dir: Path,
-              log=print, payload: dict | None = None, progress: bool = False,
-              decode_batch: int | None = None, decode_samples: int = 1, decode_stack: bool = True,
+              payload: dict | None = None, progress: bool = True, decode_batch: int | None = None, decode_samples: int = 1, decode_stack: bool = True,
               decode_graph: bool = True) -> pd.DataFrame:
     """Run every config on every sample into ``out_dir`` (``predictions.jsonl``, ``timings.jsonl``, ``scores.csv``,
     ``table.md``). Finished (sample, config) pairs already in ``out_dir`` are kept, not recomputed.
@@ -144,11 +146,10 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
     timing = {(r["id"], r["config"]): r for r in read_complete_lines(results.timings)}
     resumed = sum((s.id, label) in done for s in samples for label in labels)
     if resumed:
-        log(f"resuming {out_dir}: {resumed} of {len(samples) * len(labels)} predictions already done")
+        LOG.info(f"resuming {out_dir}: {resumed} of {len(samples) * len(labels)} predictions already done")
     work = [(s, [p for p in pipelines if (s.id, p.label) not in done]) for s in samples]
     work = [(s, todo) for s, todo in work if todo]
-    bar = tqdm(total=len(samples), initial=len(samples) - len(work), desc=out_dir.name, unit="sample",
-               disable=not progress, dynamic_ncols=True)
+    bar = Progress(len(samples), out_dir.name, initial=len(samples) - len(work), logger=LOG, enabled=progress)
     new_tokens, decode_seconds = 0, 0.0
     for group in (work[i:i + decode_samples] for i in range(0, len(work), decode_samples)):
         for sample_records in run_samples(lm, group, decode_batch, decode_stack, decode_graph):
@@ -158,10 +159,9 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
                 done[r["id"], r["config"]] = timing[r["id"], r["config"]] = r
             new_tokens += sum(len(r["tokens"]) for r in records)
             decode_seconds += sum(r["decode_s"] for r in records)
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{new_tokens / max(decode_seconds, 1e-9):.1f}")
-            if not progress:
-                log(f"{records[0]['id']} ({records[0]['prompt_length']} tok): "
+            bar.update(1, f"{new_tokens / max(decode_seconds, 1e-9):.1f} tok/s")
+            if LOG.isEnabledFor(logging.DEBUG):
+                LOG.debug(f"{records[0]['id']} ({records[0]['prompt_length']} tok): "
                     + ", ".join(f"{r['config']}={r['score']:.0f}" for r in records))
     bar.close()
     ordered = [done[s.id, label] for s in samples for label in labels]
@@ -173,6 +173,6 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
                                "table.md": render_markdown(scores, labels, tasks)})
     for label, group in predictions.groupby("config", sort=False):
         rate = group.tokens.map(len).sum() / max(group.decode_s.sum(), 1e-9)
-        log(f"{label}: score {group.score.mean():.2f}, KV {100 * (group.kv_bytes / group.kv_bytes_full).mean():.1f}%"
+        LOG.info(f"{label}: score {group.score.mean():.2f}, KV {100 * (group.kv_bytes / group.kv_bytes_full).mean():.1f}%"
             f", decode {rate:.1f} tok/s")
     return predictions

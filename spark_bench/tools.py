@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -14,7 +15,10 @@ from omegaconf import DictConfig
 
 from spark_bench.checks import CONF_DIR, ConfigError
 from spark_bench.cli import benchmark_tasks, checked, fail, load_samples, memory_prediction, output_dir, validate
+from spark_bench import logs
 from spark_bench.models import load_model
+
+LOG = logging.getLogger(__name__)
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
@@ -30,7 +34,7 @@ def _hydra_export(cfg: DictConfig) -> None:
 
     path = Path(cfg.get("export_path") or output_dir(cfg) / "samples.jsonl")
     write_samples(samples, path, lm.tokenizer)
-    print(f"spark-bench-export: {len(samples)} samples of {cfg.benchmark.name} → {path}")
+    LOG.info(f"{len(samples)} samples of {cfg.benchmark.name} → {path}")
 
 
 def export() -> None:
@@ -75,11 +79,14 @@ def merge(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="spark-bench-merge", description=merge.__doc__)
     parser.add_argument("directory", type=Path)
+    logs.add_flags(parser)
     args = parser.parse_args(argv)
+    logs.configure(args.verbosity, "spark-bench-merge")
     try:
         n = merge_shards(args.directory)
     except (ValueError, FileNotFoundError) as err:
         print(f"spark-bench-merge: error: {err}", file=sys.stderr)
         sys.exit(2)
-    print(f"spark-bench-merge: {n} shards → {args.directory}")
-    print((args.directory / "table.md").read_text())
+    LOG.info(f"{n} shards → {args.directory}")
+    if args.verbosity > logs.QUIET:
+        print((args.directory / "table.md").read_text())

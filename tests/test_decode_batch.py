@@ -91,8 +91,8 @@ def test_sweep_results_do_not_depend_on_decode_batch(tiny_lm, tmp_path, decode_b
                MethodConfig(name="snapkv+think", budget=64, ratio=0.5),
                MethodConfig(name="snapkv+spark", budget=64, ratio=0.8),
                MethodConfig(name="pyramidkv+spark", budget=64, ratio=0.5)]
-    run_sweep(tiny_lm, samples, configs, tmp_path / "one", log=lambda m: None, decode_batch=1)
-    run_sweep(tiny_lm, samples, configs, tmp_path / "many", log=lambda m: None, decode_batch=decode_batch,
+    run_sweep(tiny_lm, samples, configs, tmp_path / "one", decode_batch=1)
+    run_sweep(tiny_lm, samples, configs, tmp_path / "many", decode_batch=decode_batch,
               decode_samples=decode_samples)
     for name in ("predictions.jsonl", "scores.csv", "table.md"):
         assert reproducible(tmp_path / "one" / name) == reproducible(tmp_path / "many" / name)

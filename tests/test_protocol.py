@@ -248,7 +248,7 @@ def test_qwen3_sweep_mixing_query_kinds_and_score_dtypes(tiny_qwen, tmp_path):
     samples = load_ruler(["niah_single_1"], 400, 1, 0, tiny_qwen, max_new_tokens=3)
     configs = [MethodConfig(name="snapkv+spark", budget=0.5, ratio=0.8, window_size=16, window_q_norm=q)
                for q in (True, False)]
-    preds = run_sweep(tiny_qwen, samples, configs, tmp_path / "q", log=lambda m: None)
+    preds = run_sweep(tiny_qwen, samples, configs, tmp_path / "q")
     assert list(preds.config) == ["SnapKV+SparK(0.8) @0.5 [window_q_norm=true]",
                                   "SnapKV+SparK(0.8) @0.5 [window_q_norm=false]"]
 

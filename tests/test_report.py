@@ -77,7 +77,7 @@ def run_dir(tiny_lm, tmp_path_factory):
         MethodConfig(name=f"snapkv+{c}", budget=64, ratio=r, recovery=rec)
         for c, rec in (("spark", "degenerate"), ("think", "degenerate"), ("spark", "none")) for r in (0.5, 0.8)]
     out = tmp_path_factory.mktemp("report_run")
-    run_sweep(tiny_lm, samples, configs, out, log=lambda m: None)
+    run_sweep(tiny_lm, samples, configs, out)
     return out
 
 
@@ -130,7 +130,7 @@ def test_ablation_layouts_from_runs(tiny_lm, tmp_path):
     configs = [MethodConfig(name="snapkv+spark", budget=b, ratio=0.5, recovery=r)
                for r in ("gaussian", "degenerate") for b in (64, 128)] + [
         MethodConfig(name="snapkv+spark", budget=b, variant="group", groups=4) for b in (64, 128)]
-    run_sweep(tiny_lm, samples, configs, tmp_path, log=lambda m: None)
+    run_sweep(tiny_lm, samples, configs, tmp_path)
     dist = to_markdown(read_ablation([tmp_path], "dist"), DIST)
     assert "| Method | KV-size 64 | KV-size 128 |" in dist and "| Normal |" in dist and "| Degenerate |" in dist
     variants = read_ablation([tmp_path], "variants")

@@ -26,7 +26,7 @@ def samples(tiny_lm):
 @pytest.fixture(scope="module")
 def sweep_run(tiny_lm, samples, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
-    return out, run_sweep(tiny_lm, samples, SWEEP, out, log=lambda m: None)
+    return out, run_sweep(tiny_lm, samples, SWEEP, out)
 
 
 def test_sweep_writes_predictions_scores_and_table(sweep_run, samples):
@@ -68,7 +68,7 @@ def test_sweep_shares_prefill(sweep_run):
 @pytest.mark.parametrize("index", range(len(SWEEP)))
 def test_config_in_sweep_equals_config_alone(tiny_lm, samples, sweep_run, tmp_path, index):
     _, in_sweep = sweep_run
-    alone = run_sweep(tiny_lm, samples, [SWEEP[index]], tmp_path, log=lambda m: None)
+    alone = run_sweep(tiny_lm, samples, [SWEEP[index]], tmp_path)
     mine = in_sweep[in_sweep.config == SWEEP[index].label]
     assert list(mine.id) == list(alone.id)
     assert list(mine.tokens) == list(alone.tokens)
@@ -157,7 +157,7 @@ def test_configs_differing_only_in_an_option_get_their_own_rows(tiny_lm, samples
 
     configs = [MethodConfig(name="snapkv+think", budget=64, ratio=0.5),
                MethodConfig(name="snapkv+think", budget=64, ratio=0.5, think_keep_window=False)]
-    preds = run_sweep(tiny_lm, samples[:1], configs, tmp_path, log=lambda m: None)
+    preds = run_sweep(tiny_lm, samples[:1], configs, tmp_path)
     assert list(preds.config) == ["SnapKV+ThinK(0.5) @64 [think_keep_window=true]",
                                   "SnapKV+ThinK(0.5) @64 [think_keep_window=false]"]
     assert preds.kv_bytes.iloc[0] > preds.kv_bytes.iloc[1]  # the dense window really is kept in one of them

@@ -164,7 +164,7 @@ def test_runner_scopes_and_bytes(tiny_lm, tmp_path):
     samples = load_ruler(["niah_single_1", "niah_multikey_2"], 512, 1, 0, tiny_lm, max_new_tokens=3)
     configs = [MethodConfig(name=n, budget=0.5, ratio=r, compress_scope=s) for s in ("prompt", "question", "context")
                for n, r in (("full", 0.0), ("snapkv", 0.0), ("snapkv+spark", 0.8))]
-    preds = run_sweep(tiny_lm, samples, configs, tmp_path / "run", log=lambda m: None)
+    preds = run_sweep(tiny_lm, samples, configs, tmp_path / "run")
     assert preds.config.nunique() == 9  # labels tell the scopes apart
     full = preds[preds.config.str.startswith("Full")]
     assert (full.kv_bytes == full.kv_bytes_full).all()  # the suffix run through the cache is counted, densely
@@ -172,4 +172,4 @@ def test_runner_scopes_and_bytes(tiny_lm, tmp_path):
     assert snap.filter(like="prompt").sum() < snap.filter(like="question").sum() < snap.filter(like="context").sum()
     bare = [Sample(**{**s.__dict__, "context_end": None, "question_end": None}) for s in samples]
     with pytest.raises(ValueError, match="compress_scope=question needs the prompt's context/question boundaries"):
-        run_sweep(tiny_lm, bare, configs[3:4], tmp_path / "bare", log=lambda m: None)
+        run_sweep(tiny_lm, bare, configs[3:4], tmp_path / "bare")

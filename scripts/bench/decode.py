@@ -65,7 +65,7 @@ def timed_sweep(lm, samples, configs, out: Path, decode_batch, decode_samples: i
                 decode_stack: bool = True) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # fresh: an existing results dir would resume and compute nothing
     start = time.perf_counter()
-    preds = run_sweep(lm, samples, configs, out, log=lambda m: None, decode_batch=decode_batch,
+    preds = run_sweep(lm, samples, configs, out, decode_batch=decode_batch,
                       decode_samples=decode_samples, decode_stack=decode_stack)
     wall = time.perf_counter() - start
     prefill = float(preds.groupby("id").prefill_s.first().sum())

@@ -51,13 +51,13 @@ def main() -> None:
         return load_ruler(tasks, args.length, args.samples, 42, lm, args.max_new_tokens)
 
     start = time.perf_counter()
-    shared_preds = run_sweep(lm, samples(), CONFIGS, scratch / "shared", log=lambda m: None)
+    shared_preds = run_sweep(lm, samples(), CONFIGS, scratch / "shared")
     shared_s = time.perf_counter() - start
 
     separate_s, separate_tokens = 0.0, {}
     for i, cfg in enumerate(CONFIGS):
         start = time.perf_counter()
-        preds = run_sweep(lm, samples(), [cfg], scratch / f"separate_{i}", log=lambda m: None)
+        preds = run_sweep(lm, samples(), [cfg], scratch / f"separate_{i}")
         separate_s += time.perf_counter() - start
         separate_tokens[cfg.label] = list(preds.tokens)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -22,7 +23,10 @@ from omegaconf import DictConfig
 
 from spark_bench.checks import CONF_DIR, ConfigError, check_output, resolve_device
 from spark_bench.cli import checked, fail, load_samples, output_dir, validate
+from spark_bench import logs
 from spark_bench.models import load_model
+
+LOG = logging.getLogger(__name__)
 
 
 def analysis_target(cfg: DictConfig, model) -> tuple[int, int]:
@@ -43,13 +47,14 @@ def analysis_target(cfg: DictConfig, model) -> tuple[int, int]:
     return layer, a.head
 
 
-def run_saliency(lm, samples, cfg: DictConfig, layer: int, head: int, out: Path, log=print) -> dict:
+def run_saliency(lm, samples, cfg: DictConfig, layer: int, head: int, out: Path, log=None) -> dict:
     import torch
 
     from spark_bench.analysis import figures
     from spark_bench.analysis.saliency import PAPER_CV, analyze, summarize
     from spark_bench.engine.prefill import run_prefill
 
+    log = log or LOG.info
     a = cfg.analysis
     ratios = [float(r) for r in a.ratios]
     results = []
@@ -125,8 +130,7 @@ def _hydra_saliency(cfg: DictConfig) -> None:
         samples = load_samples(cfg, lm)[:cfg.analysis.samples or None]
     except (ConfigError, FileNotFoundError, ValueError) as err:
         fail("spark-bench-saliency", cfg, err)
-    print(f"spark-bench-saliency: {model_cfg.name}, {len(samples)} prompts of {cfg.benchmark.name} → {out}",
-          flush=True)
+    LOG.info(f"{model_cfg.name}, {len(samples)} prompts of {cfg.benchmark.name} → {out}")
     run_saliency(lm, samples, cfg, layer, head, out)
 
 
@@ -179,7 +183,9 @@ def figure2(argv: list[str] | None = None) -> None:
     parser.add_argument("--observation2", type=Path, help="results directory of the Observation 2 sweep")
     parser.add_argument("--memory", type=Path, help="spark-bench-memory memory.out JSON (sweep=memory)")
     parser.add_argument("--out", type=Path, required=True)
+    logs.add_flags(parser)
     args = parser.parse_args(argv)
+    logs.configure(args.verbosity, "spark-bench-figure2")
     try:
         if not (args.observation2 or args.memory):
             raise ValueError("give --observation2 RUN_DIR and/or --memory JSON")
@@ -213,4 +219,4 @@ def figure2(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, KeyError, ConfigError) as err:
         print(f"spark-bench-figure2: error: {err}", file=sys.stderr)
         sys.exit(2)
-    print(f"spark-bench-figure2: {', '.join(written)} → {args.out}")
+    LOG.info(f"{', '.join(written)} → {args.out}")

@@ -10,11 +10,13 @@ LaTeX, optionally beside the paper's numbers; plus the Fig. 5 plots.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from spark_bench import logs
 from spark_bench.report import stats
 from spark_bench.report.figures import load_predictions
 from spark_bench.report.frame import completeness, read_paper_csv, read_runs, read_sample_scores
@@ -23,6 +25,7 @@ from spark_bench.report.paper import paper_table, paper_tables
 from spark_bench.report.render import to_csv, to_latex, to_markdown
 from spark_bench.report.setup import sample_note
 
+LOG = logging.getLogger(__name__)
 FORMATS = {"md": to_markdown, "csv": to_csv, "tex": to_latex}
 
 
@@ -62,10 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="directory for table.md / table.csv / table.tex (and figures)")
     parser.add_argument("--name", default="table", help="file stem of the written tables")
     parser.add_argument("--figures", action="store_true", help="also write Fig. 5a/5c PNGs from the runs")
+    logs.add_flags(parser)
     parser.add_argument("--require-complete", action="store_true",
                         help="exit 2 when a run has not computed every prediction it set out to (else: said above "
                              "the tables, its cells marked *)")
     args = parser.parse_args(argv)
+    logs.configure(args.verbosity, "spark-bench-report")
+    echo = print if args.verbosity > logs.QUIET else (lambda *a, **k: None)  # -q: the files only
     try:
         if args.check:
             if not args.paper:
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"spark-bench-report: error: {err}", file=sys.stderr)
         sys.exit(2)
     for line in incomplete + [f"not like with like: {line}" for line in unlike]:
-        print(f"spark-bench-report: warning: {line}", file=sys.stderr)
+        LOG.warning(f"warning: {line}")
     predictions = load_predictions(runs) if runs else None
     notes = []
     for i, run in enumerate(runs):  # each task's fewest samples in a cell, against the paper's count
@@ -113,25 +119,25 @@ def main(argv: list[str] | None = None) -> None:
         outputs[f"{args.name}.md"] = outputs[f"{args.name}.md"].replace(
             "Cells: ours (paper, ours − paper)", "Cells: ours (paper, ours − paper: NOT COMPARABLE, another model)")
     outputs[f"{args.name}.md"] = header + outputs[f"{args.name}.md"]
-    print(outputs[f"{args.name}.md"])
+    echo(outputs[f"{args.name}.md"])
     if runs:
         from spark_bench.tables import cost_markdown
 
         outputs["cost.md"], cost = cost_markdown(predictions)
         outputs["cost.csv"] = cost.rename_axis("config").to_csv()
-        print("What each config cost (measured):\n\n" + outputs["cost.md"])
+        echo("What each config cost (measured):\n\n" + outputs["cost.md"])
     if samples is not None and args.ci and layout.name != "longbench_e":
         from spark_bench.report.compare import paired_frame, paired_markdown
 
         paired = paired_frame(samples, layout, args.resamples, args.seed)
         outputs["paired.md"], outputs["paired.csv"] = paired_markdown(paired), paired.to_csv(index=False)
-        print("Paired with each row's base (same samples):\n\n" + outputs["paired.md"])
+        echo("Paired with each row's base (same samples):\n\n" + outputs["paired.md"])
     if samples is not None and args.claims:
         from spark_bench.report import claims
 
         verdicts = claims.check(samples, layout, args.resamples, args.seed)
         outputs["claims.md"], outputs["claims.csv"] = claims.to_markdown(verdicts), verdicts.to_csv(index=False)
-        print("The paper's claims on these runs:\n\n" + outputs["claims.md"])
+        echo("The paper's claims on these runs:\n\n" + outputs["claims.md"])
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         for name, text in outputs.items():
@@ -142,4 +148,4 @@ def main(argv: list[str] | None = None) -> None:
             figure_ratio(predictions, args.out / "fig5a_score_vs_ratio.png")
             figure_bytes(predictions, args.out / "fig5c_score_vs_bytes.png")
             figure_throughput(predictions, args.out / "fig_score_vs_throughput.png")
-        print(f"spark-bench-report: wrote {', '.join(sorted(outputs))} to {args.out}")
+        LOG.info(f"wrote {', '.join(sorted(outputs))} to {args.out}")
