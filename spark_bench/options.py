@@ -99,6 +99,7 @@ RUN_OPTIONS = {
     "output_root": Option("str", nonempty=True), "run": Option("str", nonempty=True),
     "wait_lock": Option("bool"), "repair": Option("bool"),
     "hub_timeout_s": Option("number", 0, open_low=True),
+    "tracking": Option("str", choices=("none", "wandb", "mlflow")),
 }
 BENCHMARK_OPTIONS = {
     "tasks": Option("list", nonempty=True, nullable=True, null="LongBench: all 16 tasks"),

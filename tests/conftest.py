@@ -58,3 +58,20 @@ def reproducible(path: Path) -> bytes:
     keep = [i for i, name in enumerate(rows[0]) if name.strip("| ") not in drop]
     sep = "," if path.suffix == ".csv" else " | "
     return "\n".join(sep.join(row[i] for i in keep if i < len(row)) for row in rows).encode()
+
+
+@pytest.fixture
+def spark_log():
+    """The ``spark_bench`` loggers' messages during the test (INFO and up), as a list of strings."""
+    import logging
+
+    seen: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("spark_bench")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level or logging.INFO, logging.INFO))
+    yield seen
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -96,7 +96,7 @@ def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
     assert {p: p.read_bytes() for p in (tmp_path / "killed").iterdir() if p.name != ".lock"} == before
     resumed = cli([*_sweep_args(tmp_path, "killed"), "repair=true"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"{len(partial) - 1} of 6 predictions already done" in resumed.stdout
+    assert f"{len(partial) - 1} of 6 predictions already done" in resumed.stderr
     assert (tmp_path / "killed" / "predictions.jsonl.damaged").read_bytes() == lines[0] + b"\n"
     for name in ("predictions.jsonl", "scores.csv", "table.md"):  # byte-identical to the uninterrupted run
         assert reproducible(tmp_path / "killed" / name) == reproducible(uninterrupted / name)
@@ -104,7 +104,7 @@ def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
     # nothing computed twice (a kill between the two appends may lose one sample's timing line, never a prediction)
     assert len(timings) == len({(t["id"], t["config"]) for t in timings}) >= 5
     again = cli(_sweep_args(tmp_path, "killed"), cwd=tmp_path)
-    assert "6 of 6 predictions already done" in again.stdout
+    assert "6 of 6 predictions already done" in again.stderr
     other = cli([*_sweep_args(tmp_path, "killed"), "ratio=0.5"], cwd=tmp_path)
     assert other.returncode == 2 and "holds results of a different configuration (differs in: configs" in other.stderr
 

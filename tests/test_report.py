@@ -185,8 +185,8 @@ LATEX_COMMANDS = {"begin", "end", "toprule", "midrule", "bottomrule", "multicolu
 
 
 def assert_strict_latex(source: str, columns: int) -> None:
-    """No LaTeX engine runs in CI (a TeX distribution is hundreds of MB per run), so the generated source is held to
-    what would compile: only known commands, escaped specials, balanced braces, math only in ``$\\pm$``, and
+    """The generated source held to what compiles, also where no TeX engine is (``tests/test_latex.py`` runs
+    pdflatex where one is): only known commands, escaped specials, balanced braces, math only in ``$\\pm$``, and
     every row with ``columns`` cells."""
     import re
 

@@ -105,17 +105,27 @@ def test_bad_method_option_is_one_clear_error():
         method_configs(_compose(["method=spark", "ratio=1.5"]))
 
 
-def test_cli_multirun_end_to_end(tmp_path):
+def test_cli_multirun_end_to_end(tmp_path, monkeypatch):
+    """Two jobs, each its own directory and its own tracked run (MLflow's local file store), grouped by the run."""
+    import mlflow
+
     cmd = [sys.executable, "-m", "spark_bench.cli", "-m", "model=tiny-llama", "method=snapkv+spark",
            "ratio=0.5,0.8", "budget=64", "benchmark.tasks=[niah_single_1]", "benchmark.length=512",
-           "benchmark.num_samples=1", "benchmark.max_new_tokens=4", f"output_root={tmp_path}", "run=cli"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "CI": "1"})
+           "benchmark.num_samples=1", "benchmark.max_new_tokens=4", f"output_root={tmp_path}", "run=cli",
+           "tracking=mlflow"]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, "CI": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     for job in ("0", "1"):
         job_dir = tmp_path / "cli" / job
         assert (job_dir / "config.yaml").exists() and (job_dir / "predictions.jsonl").exists()
         assert "SnapKV+SparK(" in (job_dir / "table.md").read_text()
     assert "ratio: 0.8" in (tmp_path / "cli" / "1" / "config.yaml").read_text()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for its local file store to be allowed
+    client = mlflow.tracking.MlflowClient((tmp_path / "mlruns").as_uri())
+    runs = client.search_runs([client.get_experiment_by_name("cli").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["cli/0", "cli/1"]
+    assert {r.data.params["ratio"] for r in runs} == {"0.5", "0.8"}
 
 
 def test_cli_unknown_method_lists_valid_ones(tmp_path):
