@@ -37,6 +37,14 @@ def tiny_lm():
 
 
 @pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2 (GGUF), loaded once per session: its loader takes about 12 s on this CPU."""
+    import spark_bench
+
+    return spark_bench.load("smollm2-135m", device=str(DEVICE))
+
+
+@pytest.fixture(scope="session")
 def tiny_prefill(tiny_lm):
     ids = torch.randint(100, 5000, (1, 160), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     return run_prefill(tiny_lm.model, ids, window=32, query_stats=QueryStatsSpec())

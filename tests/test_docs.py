@@ -1,5 +1,6 @@
-"""The docs are code: every ```python block of docs/library.md runs, in order, in one namespace (the page's
-snippets build on each other), on the embedded SmolLM2, offline."""
+"""The docs are code: every ```python block of docs/library.md (then the README's) runs, in order, in one namespace
+(the page's snippets build on each other), on the embedded SmolLM2, offline; every relative link and anchor of the
+README and docs/ resolves; every ``--cfg job`` / ``dry_run=true`` command written in them runs."""
 
 import re
 
@@ -10,7 +11,12 @@ def python_blocks(path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
-def test_the_library_page_runs(capsys):
+def test_the_library_page_runs(capsys, smollm2, monkeypatch):
+    from spark_bench import api
+
+    load = api.load  # the page's load("smollm2-135m") gets the session's model (its loader is tested elsewhere)
+    monkeypatch.setattr(api, "load", lambda name="smollm2-135m", **kw: smollm2 if name == "smollm2-135m" and not kw
+                        else load(name, **kw))
     blocks = python_blocks(ROOT / "docs" / "library.md")
     assert len(blocks) >= 5
     namespace: dict = {}
@@ -18,6 +24,9 @@ def test_the_library_page_runs(capsys):
         exec(compile(block, "docs/library.md", "exec"), namespace)
     printed = capsys.readouterr().out
     assert "bytes held" in printed and "of the key entries pruned" in printed
+    (readme,) = python_blocks(ROOT / "README.md")  # the README's one snippet, in the same process
+    exec(compile(readme, "README.md", "exec"), namespace)
+    assert namespace["out"].shape[1] > namespace["lm"].tokenizer(namespace["document"], return_tensors="pt").input_ids.shape[1]
     assert isinstance(namespace["text"], str) and len(namespace["batch"]) == 2 and len(namespace["more"]) == 1
     assert namespace["samples"].shape[0] == 2
 

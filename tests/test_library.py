@@ -503,11 +503,6 @@ def test_the_top_level_names_are_the_api_and_load_lazily():
     assert out.stdout.split() == ["False"]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return spark_bench.load("smollm2-135m", device=str(DEVICE))
-
-
 def test_the_example_runs_offline_on_smollm2(smollm2, capsys):
     """examples/needle_two_questions.py (the README's library example) on the embedded GGUF model, a short prompt;
     its command line is checked for its arguments only (the model loads once in this module)."""
