@@ -37,11 +37,13 @@ class SparkBenchLM(LM):
 
     def __init__(self, pretrained: str = "smollm2-135m", method: str = "full", protocol: str = "official",
                  device: str | None = None, path: str | None = None, dtype: str | None = None,
-                 max_gen_toks: int = 256, batch_size=1, max_batch_size=None, **options):
+                 max_gen_toks: int = 256, batch_size=1, max_batch_size=None, lm=None, **options):
+        """``lm``: an already loaded :func:`spark_bench.load` model (in Python, e.g. for
+        ``lm_eval.simple_evaluate(model=SparkBenchLM(lm=..., method=...))``); else ``pretrained`` is loaded."""
         super().__init__()
         overrides = {k: v for k, v in (("path", path), ("dtype", dtype)) if v is not None}
         self.config = spark_bench.method(method, protocol, **options)
-        self.lm = spark_bench.load(str(pretrained), device=device or "auto", **overrides)
+        self.lm = lm if lm is not None else spark_bench.load(str(pretrained), device=device or "auto", **overrides)
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.max_gen_toks = int(max_gen_toks)
 
