@@ -107,8 +107,7 @@ def _as_prompt(value, vocab: int | None = None) -> Prompt:
 
 def _many(prompts) -> bool:
     """A list of prompts (each a Prompt, a sample, a tensor or a list of ids), not one prompt's ids."""
-    return isinstance(prompts, (list, tuple)) and bool(prompts) and not isinstance(prompts[0], (int, torch.SymInt)) \
-        and not (isinstance(prompts[0], torch.Tensor) and prompts[0].dim() == 0)
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and not isinstance(prompts[0], int)
 
 
 @torch.no_grad()

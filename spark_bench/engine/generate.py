@@ -232,11 +232,10 @@ def check_contexts(model: nn.Module, contexts: list[CompressedContext]) -> None:
             raise ValueError(f"contexts: compressed by another model ({c.model_key[0]!r}: {c.model_key[1]} layers, "
                              f"{c.model_key[2]} kv heads × {c.model_key[3]}); this model is {key[0]!r}: {key[1]} "
                              f"layers, {key[2]} kv heads × {key[3]}")
-    for module, layer in zip(attention_modules(model), contexts[0].cache.layers):
+    for module in attention_modules(model):
         device = module.k_proj.weight.device
         for c in contexts:
-            stored = c.cache.layers[module.layer_idx].value_store
-            held = store_device(stored)
+            held = store_device(c.cache.layers[module.layer_idx].value_store)
             if held != device and not (held.type == device.type == "cpu"):
                 raise ValueError(f"contexts: layer {module.layer_idx}'s stores are on {held} but the model now runs "
                                  f"it on {device}; compress again after moving the model")
