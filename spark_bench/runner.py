@@ -125,10 +125,12 @@ def default_payload(lm: LoadedModel, samples: list[Sample], configs: list[Method
 
 
 def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig], out_dir: Path,
-              payload: dict | None = None, progress: bool = True, decode_batch: int | None = None, decode_samples: int = 1, decode_stack: bool = True,
+              payload: dict | None = None, progress: bool = True, decode_batch: int | None = None,
+              decode_samples: int = 1, decode_stack: bool = True,
               decode_graph: bool = True) -> pd.DataFrame:
     """Run every config on every sample into ``out_dir`` (``predictions.jsonl``, ``timings.jsonl``, ``scores.csv``,
-    ``table.md``). Finished (sample, config) pairs already in ``out_dir`` are kept, not recomputed.
+    ``table.md``). Finished (sample, config) pairs already in ``out_dir`` are kept, not recomputed. Progress and
+    status go to this module's logger (:class:`~spark_bench.logs.Progress`; ``progress=False``: none).
     ``decode_samples`` samples at a time decode their method configs together, ``decode_batch`` rows per batch
     (None = all of them); the tokens depend on neither."""
     if decode_batch is not None and (not isinstance(decode_batch, int) or decode_batch < 1):
@@ -173,6 +175,6 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
                                "table.md": render_markdown(scores, labels, tasks)})
     for label, group in predictions.groupby("config", sort=False):
         rate = group.tokens.map(len).sum() / max(group.decode_s.sum(), 1e-9)
-        LOG.info(f"{label}: score {group.score.mean():.2f}, KV {100 * (group.kv_bytes / group.kv_bytes_full).mean():.1f}%"
-            f", decode {rate:.1f} tok/s")
+        kv = 100 * (group.kv_bytes / group.kv_bytes_full).mean()
+        LOG.info(f"{label}: score {group.score.mean():.2f}, KV {kv:.1f}%, decode {rate:.1f} tok/s")
     return predictions

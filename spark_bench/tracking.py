@@ -8,7 +8,8 @@ tracked run, grouped by the run name (W&B: ``group``; MLflow: the experiment), n
 
 Where they go: W&B's own settings (``WANDB_PROJECT``, ``WANDB_MODE=offline``, ``WANDB_DIR``; project
 ``spark-bench`` by default); MLflow's tracking URI (``MLFLOW_TRACKING_URI``, e.g. a server or ``sqlite:///…``, else
-MLflow's local file store under ``<output_root>/mlruns``). The library is checked before the model loads (:func:`check`).
+MLflow's local file store under ``<output_root>/mlruns``). The library is checked before the model loads
+(:func:`check`).
 """
 
 from __future__ import annotations

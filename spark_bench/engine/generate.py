@@ -142,8 +142,9 @@ class SparkCache(BatchedCache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self._unattended is not None:
             raise ValueError(f"past_key_values: layer {self._unattended} of a spark_bench cache ran another "
-                             "attention function (it needs the model's spark_bench attention): call model.set_attn_implementation('spark_bench') (dense caches still run sdpa), or "
-                             "use spark_bench.generate / spark_bench.press")
+                             "attention function (it needs the model's spark_bench attention): call "
+                             "model.set_attn_implementation('spark_bench') (dense caches still run sdpa), or use "
+                             "spark_bench.generate / spark_bench.press")
         layer = self.layers[layer_idx]
         if key_states.shape[0] != layer.tail_keys.shape[0]:
             raise ValueError(f"past_key_values: the cache has {layer.tail_keys.shape[0]} rows, the input "
