@@ -168,6 +168,13 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         self.attention = attention
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Refused: a context's stores are not a generation cache (as a model's ``past_key_values`` its positions
+        would restart at the kept length and another attention would read the new tokens only)."""
+        raise ValueError("past_key_values: context.cache holds a context's compressed stores, not a generation "
+                         "cache; pass context.as_cache() (on the spark_bench attention), or use spark_bench.generate "
+                         "/ spark_bench.press")
+
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 

@@ -33,6 +33,10 @@ from spark_bench.engine.cache import BatchedCache, CompressedCache, store_device
 from spark_bench.engine.prefill import attention_modules, model_key
 
 
+CACHE_API = frozenset({"is_compileable", "get_seq_length", "get_mask_sizes", "update", "layers", "is_sliding",
+                       "max_batch_size", "max_cache_len", "reorder_cache", "crop", "batch_repeat_interleave"})
+
+
 @dataclass
 class CompressedContext:
     """A prompt compressed under one method config: ``input_ids[:end]`` in ``cache``'s compact stores; the rest of
@@ -51,6 +55,15 @@ class CompressedContext:
     compress_s: float = 0.0
     model_key: tuple = ()  # model_key() of the model it was compressed with (checked when it is used)
     source: tuple | None = None  # (context text, chat_template, separator) when compressed from text (ask)
+
+    def __getattr__(self, name: str):
+        """A context passed where transformers expects a cache (``past_key_values=context``) fails on its first
+        cache attribute with one line saying what to pass instead."""
+        if name in CACHE_API:
+            raise ValueError("past_key_values: a CompressedContext is not a transformers Cache; pass "
+                             "context.as_cache() (on the spark_bench attention), or use spark_bench.generate / "
+                             "spark_bench.press")
+        raise AttributeError(f"'CompressedContext' object has no attribute {name!r}")
 
     @property
     def suffix(self) -> tuple[int, ...]:
