@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from spark_bench.benchmarks.base import Prompt, Sample, encode_prompt
 from spark_bench.checks import CONF_DIR, protocol_options
 from spark_bench.engine.compress import compress_prefill, prefill_for
-from spark_bench.engine.generate import CompressedContext, SparkCache, generate
+from spark_bench.engine.generate import CompressedContext, SparkCache, check_vocabulary, generate
 from spark_bench.engine.prefill import model_key
 from spark_bench.engine.press import Pressed, pressed
 from spark_bench.methods import MethodConfig, Pipeline
@@ -77,7 +77,7 @@ def load(name: str = "smollm2-135m", device: str = "auto", **overrides) -> Loade
     return load_model(ModelConfig.from_dict(values), device)
 
 
-def _as_prompt(value, vocab: int | None = None) -> Prompt:
+def _as_prompt(value) -> Prompt:
     if isinstance(value, Prompt):
         parts = value
     elif isinstance(value, Sample):
@@ -99,9 +99,6 @@ def _as_prompt(value, vocab: int | None = None) -> Prompt:
         if not ids:
             raise ValueError("prompt: expected at least one token id")
         parts = Prompt(ids, len(ids), len(ids))  # no parts: every scope compresses all of it
-    if vocab is not None and parts.ids and not 0 <= min(parts.ids) <= max(parts.ids) < vocab:
-        bad = next(i for i in parts.ids if not 0 <= i < vocab)
-        raise ValueError(f"prompt: token id {bad} is outside the model's vocabulary (0 … {vocab - 1})")
     return parts
 
 
@@ -125,7 +122,8 @@ def compress(model: torch.nn.Module, prompt, methods: MethodConfig | list[Method
         raise ValueError("methods: compress takes a MethodConfig (spark_bench.method(...)) or a non-empty list of them")
     if _many(prompt):
         return [compress(model, p, methods) for p in prompt]
-    parts = _as_prompt(prompt, model.get_input_embeddings().num_embeddings)
+    parts = _as_prompt(prompt)
+    check_vocabulary(parts.ids, model, "prompt")
     pipelines = [Pipeline.from_config(c, label) for c, label in zip(configs, sweep_labels(configs))]
     ends = [parts.scope_end(c.compress_scope) for c in configs]
     covered = sorted({(c.budget, end) for c, end in zip(configs, ends)
@@ -192,7 +190,7 @@ def ask(model: torch.nn.Module, context, questions: list, config: MethodConfig |
             if context.source is None:
                 raise ValueError("questions: this context was compressed from token ids, so its questions are token "
                                  "ids too (text needs a context from ask(text, ..., return_context=True))")
-            full = _text_prompts(tokenizer, context.source, questions, answer_prefix, head)
+            full = [p.ids for p in _text_prompts(tokenizer, context.source, questions, answer_prefix, head)]
         else:
             full = [head + _as_prompt(q).ids for q in questions]
     else:
@@ -205,9 +203,9 @@ def ask(model: torch.nn.Module, context, questions: list, config: MethodConfig |
             if not texts:
                 raise ValueError("questions: a text context takes text questions")
             source = (context, chat_template, separator)
-            first = prompt(tokenizer, context, questions[0], answer_prefix, chat_template, separator)
-            head = first.ids[:first.context_end]
-            full = _text_prompts(tokenizer, source, questions, answer_prefix, head)
+            full = _text_prompts(tokenizer, source, questions, answer_prefix)
+            head = full[0].ids[:full[0].context_end]
+            full = [p.ids for p in full]
         else:
             head = _as_prompt(context).ids
             full = [head + _as_prompt(q).ids for q in questions]
@@ -222,15 +220,15 @@ def ask(model: torch.nn.Module, context, questions: list, config: MethodConfig |
     return (answers, compressed) if return_context else answers
 
 
-def _text_prompts(tokenizer, source: tuple, questions: list[str], answer_prefix: str, head: list[int]) -> list:
-    """Each question's whole prompt over the context text ``source = (text, chat_template, separator)``; its
-    context part must tokenize as ``head`` (the compressed ids)."""
+def _text_prompts(tokenizer, source: tuple, questions: list[str], answer_prefix: str,
+                  head: list[int] | None = None) -> list[Prompt]:
+    """Each question's whole :func:`prompt` over the context text ``source = (text, chat_template, separator)``;
+    every context part must tokenize as ``head`` (the compressed ids; None: as the first question's does)."""
     text, chat_template, separator = source
-    full = []
-    for q in questions:
-        p = prompt(tokenizer, text, q, answer_prefix, chat_template, separator)
+    prompts = [prompt(tokenizer, text, q, answer_prefix, chat_template, separator) for q in questions]
+    head = prompts[0].ids[:prompts[0].context_end] if head is None else head
+    for q, p in zip(questions, prompts):
         if p.ids[:p.context_end] != head:
             raise ValueError(f"questions: {q!r} changes how the context tokenizes; end the context with whitespace "
                              "or pass token ids")
-        full.append(p.ids)
-    return full
+    return prompts

@@ -255,6 +255,14 @@ def check_contexts(model: nn.Module, contexts: list[CompressedContext]) -> None:
                                  f"it on {device}; compress again after moving the model")
 
 
+def check_vocabulary(ids: list[int], model: nn.Module, argument: str) -> None:
+    """One line when a token id lies outside the model's vocabulary (the embedding would fail inside torch)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise ValueError(f"{argument}: token id {bad} is outside the model's vocabulary (0 … {vocab - 1})")
+
+
 def _ids_of(input_ids) -> list[int]:
     return input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
 
@@ -297,10 +305,7 @@ def generate(model: nn.Module, contexts: CompressedContext | list[CompressedCont
                              f"({first.end} tokens); a batch of contexts must share them")
     if len(ids) < first.end:
         raise ValueError(f"input_ids holds {len(ids)} tokens, fewer than the {first.end} compressed ones")
-    vocab = model.get_input_embeddings().num_embeddings
-    if max(ids) >= vocab or min(ids) < 0:
-        raise ValueError(f"input_ids: token id {max(ids) if max(ids) >= vocab else min(ids)} is outside the "
-                         f"model's vocabulary (0 … {vocab - 1})")
+    check_vocabulary(ids, model, "input_ids")
     copies = int(generate_kwargs.get("num_return_sequences") or 1)
     rows = [c for c in contexts for _ in range(copies)]  # generate expands input ids the same way (interleaved)
     replay = None
