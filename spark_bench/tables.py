@@ -6,7 +6,8 @@ import pandas as pd
 
 MIB = 2 ** 20
 COST_NOTE = ("Prefill s: the sample's one full-cache prefill, which every config of the sample shares; Compress s: "
-             "per sample; Decode tok/s: new tokens over this config's share of the batched decode forwards, as "
+             "per sample, what compressing under this config alone takes (a token selection several configs share "
+             "is computed once and counted in each); Decode tok/s: new tokens over this config's share of the batched decode forwards, as "
              "run; KV MiB: bytes held after compression; Peak MiB: the peak of the decode batch it ran in "
              "(CUDA: torch's max allocated; CPU: the process's resident set).")
 

@@ -1,6 +1,7 @@
 """Engine invariants on tiny-llama: prefill capture, λ=0 equivalence, budget ≥ prompt = full, sweep = alone."""
 
 import itertools
+import time
 import math
 
 import pytest
@@ -115,3 +116,25 @@ def test_every_method_name_has_a_hydra_option():
     from spark_bench.methods import METHOD_NAMES
 
     assert sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml")) == sorted(METHOD_NAMES)
+
+
+def test_shared_token_selection_is_computed_once_and_counted_in_every_config(tiny_prefill, monkeypatch):
+    """Configs sharing an eviction method score tokens once and hold the same evicted tensors; each still reports
+    the selection's seconds in its compression time (what compressing under it alone costs), not only the first."""
+    calls, select = [], SnapKV.select
+
+    def slow_select(self, *args):
+        calls.append(args[1])
+        time.sleep(0.01)
+        return select(self, *args)
+
+    monkeypatch.setattr(SnapKV, "select", slow_select)
+    selections = {}
+    built = [Pipeline.from_config(MethodConfig(name=name, budget=40, ratio=0.5)).build_cache(tiny_prefill,
+                                                                                             selections=selections)
+             for name in ("snapkv", "snapkv+think", "snapkv+spark")]
+    layers = len(tiny_prefill.layers)
+    assert calls == list(range(layers))  # one selection per layer, for all three configs
+    assert all(seconds >= 0.01 * layers for _, seconds in built)
+    values = [cache.layers[0].value_store.data for cache, _ in built]
+    assert all(v.data_ptr() == values[0].data_ptr() for v in values)  # one copy of the kept values

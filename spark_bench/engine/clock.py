@@ -29,10 +29,12 @@ def _devices(devices) -> list[torch.device]:
     return [torch.device(d) for d in (devices if isinstance(devices, (list, tuple)) else [devices])]
 
 
-def synchronize(device: torch.device | str | None) -> None:
-    """Wait until ``device`` has finished the work queued so far (no-op on the CPU)."""
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+def synchronize(devices: Devices) -> None:
+    """Wait until every device in ``devices`` (one device or a list) has finished the work queued so far (no-op on
+    the CPU)."""
+    for device in dict.fromkeys(_devices(devices)):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def reset_peak(devices: Devices) -> None:

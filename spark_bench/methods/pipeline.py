@@ -311,32 +311,44 @@ class Pipeline:
             return QueryStatsSpec(n_sink=self.config.n_sink)
         return None
 
-    def compress_layer(self, layer: LayerPrefill, layer_idx: int, num_layers: int,
-                       selections: dict | None = None) -> StoredLayer:
-        """``selections`` memoises token selections across the pipelines of one sample: configs that share an
-        eviction method (``snapkv``, ``snapkv+think``, ``snapkv+spark``, … at one budget) score tokens once and
-        hold the same evicted key/value tensors (one copy in memory; batched decoding reads shared values once)."""
-        keys, values, valid = layer.keys, layer.values, None
-        if self.eviction is not None:
-            key = (self.eviction, layer_idx)
-            if selections is None or key not in selections:
-                selection = self.eviction.select(layer, layer_idx, num_layers)
-                evicted = (keys, values, None) if selection is None else (
-                    gather_tokens(keys, selection.indices), gather_tokens(values, selection.indices), selection.valid)
-                if selections is not None:
-                    selections[key] = evicted
-            else:
-                evicted = selections[key]
-            keys, values, valid = evicted
+    def evict(self, prefill: Prefill, selections: dict | None = None) -> tuple[list[tuple], float]:
+        """Per layer, the keys and values the eviction method keeps and their validity mask (the prefill's own
+        tensors without eviction), and the seconds the selection took. ``selections`` memoises this across the
+        pipelines of one sample: configs that share an eviction method (``snapkv``, ``snapkv+think``,
+        ``snapkv+spark``, … at one budget) score tokens once and hold the same evicted key/value tensors (one copy in
+        memory; batched decoding reads shared values once). The seconds are those of the one computation, so each
+        config that reuses it still reports what compressing under it alone costs."""
+        if self.eviction is None:
+            return [(layer.keys, layer.values, None) for layer in prefill.layers], 0.0
+        if selections is not None and self.eviction in selections:
+            return selections[self.eviction]
+        start, n = time.perf_counter(), len(prefill.layers)
+        evicted = []
+        for i, layer in enumerate(prefill.layers):
+            selection = self.eviction.select(layer, i, n)
+            evicted.append((layer.keys, layer.values, None) if selection is None else (
+                gather_tokens(layer.keys, selection.indices), gather_tokens(layer.values, selection.indices),
+                selection.valid))
+        synchronize([layer.keys.device for layer in prefill.layers])  # the selection's device time
+        result = (evicted, time.perf_counter() - start)
+        if selections is not None:
+            selections[self.eviction] = result
+        return result
+
+    def compress_layer(self, layer: LayerPrefill, layer_idx: int, keys, values, valid) -> StoredLayer:
+        """Prune the key channels (and values) of one layer's evicted ``keys`` / ``values``."""
         key_store = self.channel.compress_keys(keys, layer, layer_idx) if self.channel else DenseStore(keys)
         value_store = self.values.compress_values(values) if self.values else DenseStore(values)
         return StoredLayer(key_store, value_store, valid)
 
     def build_cache(self, prefill: Prefill, attention: str = "compact",
                     selections: dict | None = None) -> tuple[CompressedCache, float]:
-        """The compressed cache for this config (never modifies ``prefill``) and the seconds it took."""
+        """The compressed cache for this config (never modifies ``prefill``) and the seconds compressing under it
+        alone takes: its token selection (shared through ``selections``, counted in every config that uses it)
+        plus its own channel and value pruning."""
+        evicted, select_s = self.evict(prefill, selections)
         start = time.perf_counter()
-        n = len(prefill.layers)
-        layers = [self.compress_layer(layer, i, n, selections) for i, layer in enumerate(prefill.layers)]
-        synchronize(prefill.layers[0].keys.device if n else None)  # the compression's device time
-        return CompressedCache(layers, attention), time.perf_counter() - start
+        layers = [self.compress_layer(layer, i, *kept)
+                  for i, (layer, kept) in enumerate(zip(prefill.layers, evicted))]
+        synchronize([layer.keys.device for layer in prefill.layers])  # the pruning's device time
+        return CompressedCache(layers, attention), select_s + time.perf_counter() - start
