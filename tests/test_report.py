@@ -12,6 +12,7 @@ from spark_bench.report.frame import clean_method, read_paper_csv, read_runs, ro
 from spark_bench.report.layouts import DIST, LONGBENCH, RULER, VARIANTS
 from spark_bench.report.paper import PAPER_DIR, paper_table, paper_tables
 from spark_bench.report.render import table, to_csv, to_latex, to_markdown
+from spark_bench.report.setup import sample_note
 
 PAPER = PAPER_DIR  # the paper's tables ship inside the package
 
@@ -111,7 +112,7 @@ def test_our_runs_render_with_the_paper_beside(run_dir, tmp_path):
         data = (tmp_path / "rep" / name).read_bytes()
         assert data and (not name.endswith(".png") or data[:4] == b"\x89PNG")
     md = (tmp_path / "rep" / "table.md").read_text()  # two RULER samples per cell: below the paper's 500
-    assert "samples per cell below the paper's: niah_single_1 n=1 (paper 500), niah_multikey_2 n=1 (paper 500)" in md
+    assert "samples per cell below the paper's: all 2 tasks n=1 (paper 500)" in md
     cost = pd.read_csv(tmp_path / "rep" / "cost.csv", index_col="config")  # the run's own scores.csv, per config
     scores = pd.read_csv(out / "scores.csv")
     for config, part in scores.groupby("config"):
@@ -219,3 +220,13 @@ def test_latex_escapes_every_special_character(run_dir):
     columns = source.splitlines()[2].count(" & ")
     assert_strict_latex(source, columns)
     assert latex_escape(nasty) in source
+
+
+def test_sample_note_names_each_task_below_the_papers_count(tmp_path):
+    """One phrase when every task has the same count; otherwise each task below the paper's, and nothing at or
+    above it (LongBench: 200 per task, 150 for multi-field QA, 500 for the code tasks)."""
+    assert sample_note(tmp_path, {"niah_single_1": 25, "vt": 25}) == \
+        f"{tmp_path}: samples per cell below the paper's: all 2 tasks n=25 (paper 500)"
+    assert sample_note(tmp_path, {"multifieldqa_en": 150, "narrativeqa": 30, "lcc": 30}) == \
+        f"{tmp_path}: samples per cell below the paper's: narrativeqa n=30 (paper 200), lcc n=30 (paper 500)"
+    assert sample_note(tmp_path, {"niah_single_1": 500}) == ""

@@ -47,7 +47,8 @@ PAPER_DEFAULT_SAMPLES = {"longbench": 200, "ruler": 500}
 
 def sample_note(directory, counts: dict) -> str:
     """``samples below the paper's: task n=… (paper …), …`` for a run's tasks whose fewest samples per cell
-    (``counts``: task → n) are below the paper's per-task count; empty when none is, or the benchmark is unknown."""
+    (``counts``: task → n) are below the paper's per-task count (``all K tasks n=… (paper …)`` when every task has
+    the same counts); empty when none is, or the benchmark is unknown."""
     from spark_bench.benchmarks.longbench import TASKS as LONGBENCH_TASKS
     from spark_bench.benchmarks.ruler import RULER_TASKS
 
@@ -58,8 +59,12 @@ def sample_note(directory, counts: dict) -> str:
     if benchmark not in PAPER_DEFAULT_SAMPLES:
         return ""
     paper = {t: PAPER_SAMPLES[benchmark].get(t, PAPER_DEFAULT_SAMPLES[benchmark]) for t in counts}
-    below = [f"{t} n={n} (paper {paper[t]})" for t, n in counts.items() if n < paper[t]]
-    return f"{directory}: samples per cell below the paper's: {', '.join(below)}" if below else ""
+    below = {t: (n, paper[t]) for t, n in counts.items() if n < paper[t]}
+    if len(below) > 1 and len(below) == len(counts) and len(set(below.values())) == 1:  # one phrase for them all
+        (n, theirs), = set(below.values())
+        return f"{directory}: samples per cell below the paper's: all {len(below)} tasks n={n} (paper {theirs})"
+    listed = ", ".join(f"{t} n={n} (paper {theirs})" for t, (n, theirs) in below.items())
+    return f"{directory}: samples per cell below the paper's: {listed}" if below else ""
 
 
 def paper_setup(name: str) -> tuple[Setup | None, int | None]:
