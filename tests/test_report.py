@@ -230,3 +230,15 @@ def test_sample_note_names_each_task_below_the_papers_count(tmp_path):
     assert sample_note(tmp_path, {"multifieldqa_en": 150, "narrativeqa": 30, "lcc": 30}) == \
         f"{tmp_path}: samples per cell below the paper's: narrativeqa n=30 (paper 200), lcc n=30 (paper 500)"
     assert sample_note(tmp_path, {"niah_single_1": 500}) == ""
+
+
+@pytest.mark.parametrize("name, recovery, expected", [
+    ("full", None, "full / eviction only"), ("snapkv", None, "full / eviction only"),
+    ("pyramidkv+think", None, "ThinK"), ("think", None, "ThinK"),
+    ("snapkv+spark", "degenerate", "SparK"), ("spark", "gaussian", "SparK"),
+    ("snapkv+spark", "none", "SparK, no recovery")])
+def test_every_config_has_a_scatter_family(name, recovery, expected):
+    """Fig. 5c and score vs throughput plot every config: channel methods alone and unrecovered SparK included."""
+    from spark_bench.report.figures import family
+
+    assert family(name, recovery) == expected

@@ -85,16 +85,30 @@ def figure_ratio(preds: pd.DataFrame, path: Path, eviction: str = "snapkv") -> P
     return save(fig, path)
 
 
+FAMILIES = ("full / eviction only", "ThinK", "SparK", "SparK, no recovery")
+
+
+def family(name: str, recovery) -> str:
+    """The scatter family of a method config: its channel method (``snapkv+spark``, ``spark`` → SparK; SparK with
+    ``recovery=none`` apart), or none (the full cache and eviction alone)."""
+    channel = name.rpartition("+")[2]
+    if channel == "think":
+        return "ThinK"
+    if channel == "spark":
+        return "SparK, no recovery" if recovery == "none" else "SparK"
+    return "full / eviction only"
+
+
 def _scatter(preds: pd.DataFrame, path: Path, x: str, xlabel: str, title: str) -> Path:
-    """Average score against ``x`` per config, one colour per family (eviction alone or full, +ThinK, +SparK)."""
+    """Average score against ``x`` per config, every config, one colour per :func:`family`."""
     plt = pyplot()
     rows = _per_config(preds)
+    families = [family(n, r) for n, r in zip(rows.name, rows.recovery)]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for family, mask in {"eviction only / full": ~rows.name.str.contains(r"\+"),
-                         "+ThinK": rows.name.str.endswith("+think"),
-                         "+SparK": rows.name.str.endswith("+spark") & (rows.recovery == "degenerate")}.items():
-        part = rows[mask]
-        ax.scatter(part[x], part.score, label=family)
+    for label in FAMILIES:
+        part = rows[[f == label for f in families]]
+        if len(part):
+            ax.scatter(part[x], part.score, label=label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("average score")
     ax.set_title(title)
