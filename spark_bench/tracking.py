@@ -24,15 +24,14 @@ from pathlib import Path
 import pandas as pd
 
 LOG = logging.getLogger(__name__)
-TRACKERS = ("none", "wandb", "mlflow")
-PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
 
 
 def check(kind: str) -> str | None:
-    """Why ``tracking=kind`` cannot run here (None: it can): its library is not installed."""
-    if kind == "none" or importlib.util.find_spec(PACKAGES[kind]) is not None:
+    """Why ``tracking=kind`` (one of the values :data:`spark_bench.options.RUN_OPTIONS` declares, each tracker's
+    package named as the tracker) cannot run here (None: it can): its library is not installed."""
+    if kind == "none" or importlib.util.find_spec(kind) is not None:
         return None
-    return f"tracking={kind}: the {PACKAGES[kind]} package is not installed (pip install 'spark-bench[{kind}]')"
+    return f"tracking={kind}: the {kind} package is not installed (pip install 'spark-bench[{kind}]')"
 
 
 def _name(text: str) -> str:
