@@ -40,6 +40,7 @@ gpu-check: test-gpu
 # Speed / memory figures → results/bench/*.json + results/bench/summary.md (never timed in unit tests)
 bench: $(STAMP)
 	$(BIN)/python scripts/bench/compile.py
+	$(BIN)/python scripts/bench/instructions.py --label after
 	$(BIN)/python scripts/bench/fused.py
 	$(BIN)/python scripts/bench/planner_peaks.py --label after
 	$(BIN)/python scripts/bench/bytes.py

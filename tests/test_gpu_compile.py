@@ -1,27 +1,83 @@
 """The fused decode kernels compiled ahead of time for NVIDIA GPUs on this CPU machine (triton's compiler and its
-bundled ptxas; no GPU): they compile for sm_80 and sm_90, index global memory with 64-bit offsets only, and their
-register use and spills are stated. The full matrix of the shipped models' specialisations is compiled by
-``make bench`` (``scripts/bench/compile.py`` → ``results/bench/compile.json``)."""
+bundled ptxas/nvdisasm; no GPU), as the dispatch launches them (the arguments bound the way Triton's launcher binds
+them: ``q_len=1`` a constant, 16-byte aligned pointers marked): they compile for sm_80 and sm_90, index global memory
+with 64-bit offsets only, spill nothing, and the instruction-budget script reads their machine code. The full matrix
+(every shipped shape, bf16 and fp32, decode step and suffix) is compiled by ``make bench``
+(``scripts/bench/compile.py`` → ``results/bench/compile.json``; ``scripts/bench/instructions.py`` →
+``results/bench/instructions.json``)."""
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 
-from spark_bench.storage.gpu_compile import compile_report, i32_address_multiplies, specialisations
+from spark_bench.storage.gpu_compile import Launch, compile_launch, i32_address_multiplies, parse_sass
 
 pytest.importorskip("triton")
 
-# the decode step of Llama-3-8B / Qwen3-8B (head_dim 128, 4 query heads per kv-head, bf16), both kernels
-CASES = [(kernel, constants, arch) for arch in (90, 80) for kernel, constants in specialisations(128, 4, suffix=False)]
+ROOT = Path(__file__).resolve().parents[1]
+# the production decode step: head_dim 128, 4 query heads per kv-head, bf16, q_len=1 (Llama-3-8B, Qwen3-8B)
+CASES = [(Launch(kernel, 128, 4), arch) for arch in (90, 80) for kernel in ("partials", "merge")]
 
 
-@pytest.mark.parametrize("kernel,constants,arch", CASES, ids=lambda x: str(x) if not isinstance(x, dict) else "")
-def test_kernel_compiles_for_the_gpu(kernel, constants, arch):
-    report = compile_report(kernel, constants, arch)
+@pytest.mark.parametrize("launch,arch", CASES, ids=lambda x: f"sm_{x}" if isinstance(x, int) else x.kernel)
+def test_kernel_compiles_for_the_gpu_as_launched(launch, arch):
+    report = compile_launch(launch, arch)
     assert report.i32_address_multiplies == 0
     assert report.registers <= 255
-    assert report.spill_bytes == 0, report  # measured: partials 221–242 registers, merge 80–98 (results/bench)
+    assert report.spill_bytes == 0, report
+    if launch.kernel == "merge":
+        assert report.constants["q_len"] == 1  # the launcher's specialisation of a decode step
 
 
 def test_the_address_check_sees_32_bit_offsets():
     llir = ("%7 = mul i32 %5, %6\n%8 = getelementptr bfloat, ptr addrspace(1) %0, i32 %7\n"
             "%9 = getelementptr bfloat, ptr addrspace(1) %0, i64 %4\n")
     assert i32_address_multiplies(llir) == 1
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+.L_x_0:
+        /*0020*/                   FFMA R8, R4, R5, R8 ;
+        /*0030*/                   LDG.E.U16 R9, desc[UR4][R2.64] ;
+        /*0040*/               @P0 BRA `(.L_x_0) ;
+        /*0050*/                   IADD3 R2, R2, 0x10, RZ ;
+        /*0060*/               @P1 BRA `(.L_x_1) ;
+        /*0070*/                   EXIT ;
+.L_x_2:
+        /*0080*/                   BRA `(.L_x_2);
+        /*0090*/                   NOP;
+"""
+
+
+def test_loops_are_found_by_their_back_edges():
+    """A loop nested in another, the end-of-kernel self-loop not a loop, NOPs not counted."""
+    instructions, loops = parse_sass(SASS)
+    assert len(instructions) == 9 and len(loops) == 1
+    outer = loops[0]
+    assert (outer.start, outer.end) == (1, 5) and len(outer.inner) == 1
+    assert outer.own(instructions) == ["LDG.E.128 R4, desc[UR4][R2.64]", "IADD3 R2, R2, 0x10, RZ",
+                                       "@P1 BRA `(.L_x_1)"]
+    assert len(outer.inner[0].own(instructions)) == 3
+
+
+def test_the_instruction_budget_script_reads_a_launched_kernel():
+    """scripts/bench/instructions.py on one specialisation (the sm_90 partials kernel of the decode step): its
+    token loop found, and the model's instructions per byte = warps × loop instructions ÷ (BLOCK × bytes)."""
+    spec = importlib.util.spec_from_file_location("instructions", ROOT / "scripts/bench/instructions.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    k = bench.kernel_figures(Launch("partials", 128, 4), 90)
+    assert k["spill_bytes"] == 0 and k["ctas_per_sm"] >= 1 and k["loops"]
+    loop = k["loops"][0]
+    per_block = loop["instructions"] + sum(x["instructions"] for x in loop["inner"])
+    item = {"members": 1, "tokens": 1024, "chunk": 1024, "programs": 1, "heads": 1, "bytes_per_token": 512,
+            "key_bytes_per_token": [256], "value_bytes_per_token": 256}
+    p = bench.model_partials(k, [item], bench.DEVICES[90])
+    block = k["constants"]["BLOCK_"]
+    assert p["bytes"] == 1024 * 512
+    assert p["instr_per_byte_loop"] == pytest.approx(k["num_warps"] * per_block / (block * 512), abs=1e-4)
+    assert 0 < p["fraction_of_bound"] <= 1

@@ -76,6 +76,38 @@ def decode_section(d: dict, title: str) -> list[str]:
     return lines
 
 
+def instructions_section(d: dict | None) -> list[str]:
+    """The fused decode's instruction budget from its machine code (``scripts/bench/instructions.py``), before and
+    after a rework, against the goals."""
+    if not d:
+        return []
+    goal = d["goal"]
+    lines = ["", "## The fused decode's instruction budget from its SASS (`scripts/bench/instructions.py`)", "",
+             "Each launched specialisation (D=128, bf16, GQA 4, q_len=1) compiled as launched, disassembled; "
+             "steady-state token loop: warp-instructions per KV byte (goal ≤ "
+             f"{goal['instr_per_byte']}), modelled time max(bytes/BW, instr/issue rate, Little's law) as a fraction "
+             f"of the bandwidth bound (goal ≥ {goal['fraction_of_bound']:.0%}); in flight per SM goal ≥ "
+             f"{goal['in_flight_per_sm'] // 1024} KB; value loads goal {goal['value_load_bytes']} B.", "",
+             "| version | arch | scenario | partials regs / spills | CTAs/SM | loop instr/B | in flight/SM | widest load | "
+             "fraction of bound (limit) | layer incl. merge |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for label in ("before", "after"):
+        r = d.get(label)
+        if not r:
+            continue
+        for arch, rows in r["scenarios"].items():
+            k = r["kernels"][arch]["partials"]
+            m = r["kernels"][arch]["merge"]
+            for name, row in rows.items():
+                p = row["partials"]
+                lines.append(
+                    f"| {label} | {arch} | {name} | {k['registers']} / {k['spill_bytes']} (merge {m['registers']} / "
+                    f"{m['spill_bytes']}) | {k['ctas_per_sm']} | {p['instr_per_byte_loop']:.3f} "
+                    f"({verdict(p['instr_per_byte_loop'] <= goal['instr_per_byte'])}) | "
+                    f"{p['in_flight_per_sm'] / 1024:.1f} KB | {p['widest_load_bytes']} B | "
+                    f"{p['fraction_of_bound']:.0%} ({p['limited_by']}) | {row['layer_fraction_of_bound']:.0%} |")
+    return lines
+
+
 def main() -> None:
     lines = ["# spark-bench benchmarks", ""]
     b = load("bytes")
@@ -154,6 +186,7 @@ def main() -> None:
             lines.append(f"| {name} | {w['rows']} | {w['prompt']} | {w['programs']} ({w['old_programs']}) | "
                          f"{w['bytes_loaded'] / 2**20:.1f} MiB ({w['stored_bytes'] / 2**20:.1f} MiB) | {ratio:.3f} "
                          f"({verdict(ratio <= 1.1)}) | {w['old_score_traffic_bytes'] / 2**20:.1f} MiB |")
+    lines += instructions_section(load("instructions"))
     pp = load("planner_peaks")
     if pp:
         lines += ["", "## Planner peaks on 80 GB GPUs (79 GiB given; `scripts/bench/planner_peaks.py`)", "",

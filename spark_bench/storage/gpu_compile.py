@@ -1,11 +1,15 @@
 """Ahead-of-time compilation of the Triton decode kernels for NVIDIA GPUs, on a machine without one.
 
 ``triton.compile`` lowers a kernel specialisation to PTX for a target (``GPUTarget("cuda", 90, 32)``) on the CPU;
-triton's bundled ``ptxas`` then assembles it and reports registers and spills. :func:`specialisations` lists what the
-dispatch can launch for a model shape; :func:`compile_report` compiles one and checks the generated LLVM IR for
-32-bit address arithmetic (a ``getelementptr`` into global memory indexed by a 32-bit value computed by a multiply).
-Used by ``tests/test_gpu_compile.py`` (one specialisation per kernel and architecture) and
-``scripts/bench/compile.py`` (every shipped model's, into ``results/bench/compile.json``).
+triton's bundled ``ptxas`` then assembles it and reports registers and spills, and its ``nvdisasm`` turns the cubin
+into SASS. :func:`launches` lists what the dispatch launches for a model shape; :func:`bind` gets the specialisation
+Triton's launcher compiles for one (the dispatch's own arguments, :func:`~.triton_decode.launches`, over CPU
+stand-ins: integers equal to 1 become constants, 16-byte aligned pointers and 16-divisible integers are marked);
+:func:`compile_launch` compiles it and checks the generated LLVM IR for 32-bit address arithmetic (a
+``getelementptr`` into global memory indexed by a 32-bit value computed by a multiply); :func:`parse_sass` finds the
+loops of the machine code by their back-edge branches. Used by ``tests/test_gpu_compile.py``,
+``scripts/bench/compile.py`` (every shipped model's launches → ``results/bench/compile.json``) and
+``scripts/bench/instructions.py`` (the instruction budget → ``results/bench/instructions.json``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,21 @@ import time
 from dataclasses import asdict, dataclass
 
 ELEMENTS = {2: "bf16", 4: "fp32"}
+BIN = "backends/nvidia/bin"  # triton's bundled ptxas, cuobjdump and nvdisasm, under the triton package
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch of the fused decode as the dispatch makes it: ``kernel`` (``partials`` or ``merge``) for a model
+    with ``head_dim`` channels and ``group`` query heads per kv-head, ``q_len`` tokens per step (1: a decode step;
+    more: a suffix through the cache, its ``group · q_len`` query rows per head in one launch), stores and queries of
+    ``itemsize`` bytes (2 bf16, 4 fp32)."""
+
+    kernel: str
+    head_dim: int
+    group: int
+    q_len: int = 1
+    itemsize: int = 2
 
 
 @dataclass(frozen=True)
@@ -31,36 +50,60 @@ class Compiled:
     spill_bytes: int
     i32_address_multiplies: int
     seconds: float
+    shared_bytes: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
+    sass: str = ""
 
 
-def specialisations(head_dim: int, group: int, itemsize: int = 2, suffix: bool = True) -> list[tuple[str, dict]]:
-    """The kernel specialisations decoding a model with ``head_dim`` and ``group`` query heads per kv-head launches:
-    a decode step (``group`` query rows per head) and, with ``suffix``, a suffix through the cache (16 rows)."""
-    import triton
-
-    from spark_bench.storage.triton_decode import BLOCK, ROWS, launch_shape
-
-    d_pad = triton.next_power_of_2(head_dim)
-    out = []
-    for rows in sorted({group, ROWS} if suffix else {group}):
-        rpm, members = launch_shape(rows)
-        out.append(("partials", dict(D=head_dim, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK,
-                                     ESIZE=itemsize)))
-    out.append(("merge", dict(D=head_dim, D_PAD=d_pad, RM=ROWS, BLOCK_=BLOCK)))
-    return out
+def launches(head_dim: int, group: int, itemsize: int = 2, suffix: bool = True) -> list[Launch]:
+    """What decoding a model with ``head_dim`` and ``group`` query heads per kv-head launches: a decode step
+    (``q_len=1``, both kernels) and, with ``suffix``, a 16-token suffix through the cache (both kernels)."""
+    return [Launch(kernel, head_dim, group, q_len, itemsize) for q_len in ((1, 16) if suffix else (1,))
+            for kernel in ("partials", "merge")]
 
 
-def _signature(kernel: str, itemsize: int) -> dict:
-    """Argument types as launched: queries, outputs, stores and the step's new tokens in the model's dtype."""
-    elem = "*" + ELEMENTS[itemsize]
-    if kernel == "partials":
-        return dict(q_ptr=elem, aux_ptr="*fp32", seg_ptr="*i64", head_ptr="*i64", work_ptr="*i64",
-                    list_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", elem_ptr=elem, len_ptr="*i64", n_rows="i32",
-                    q_stride="i32", scale="fp32", n_work="i32", advance="i32")
-    return dict(q_ptr=elem, head_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", tail_k_ptr=elem, tail_v_ptr=elem,
-                new_k_ptr=elem, new_v_ptr=elem, len_ptr="*i64", out_ptr=elem, n_rows="i32", q_stride="i32",
-                tail_cap="i32", q_len="i32", g0="i32", scale="fp32", new_k_sh="i32", new_k_st="i32",
-                new_v_sh="i32", new_v_st="i32")
+def _arguments(launch: Launch):
+    """``(kernel, args, kwargs)`` of ``launch`` from :func:`~.triton_decode.launches` over CPU stand-ins with the
+    dispatch's shapes, strides, dtypes and alignments (the tables: slices of one packed upload, as
+    :class:`~.segments.FusedTables` views them), so binding them gives the specialisation Triton compiles when the
+    dispatch launches it (integers equal to 1 are constants, 16-divisible integers and pointers are marked so)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from spark_bench.storage import triton_decode
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[launch.itemsize]
+    heads, d, n = 2, launch.head_dim, launch.group * launch.q_len
+    q = torch.zeros(heads, n, d, dtype=dtype)
+    tail_k, tail_v = torch.zeros(heads, 64, d, dtype=dtype), torch.zeros(heads, 64, d, dtype=dtype)
+    new = torch.zeros(heads, launch.q_len, d, dtype=dtype)  # the step's keys/values (R·H, q_len, D) rows
+    packed = torch.zeros(64, dtype=torch.int64)
+    members = triton_decode.launch_shape(n)[1]
+    tables = SimpleNamespace(seg=packed[:20], head=packed[20:34], work=packed[34:46], lists=packed[46:48],
+                             n_slots=4, n_work=2, members=members)
+    aux = torch.ones(heads, d)
+    for kernel, _, args, kwargs in triton_decode.launches(q, 0.088, aux, tables, tail_k, new, new, tail_k, tail_v,
+                                                          torch.zeros(1, dtype=torch.int64), launch.q_len, 0,
+                                                          torch.empty_like(q), launch.q_len):
+        if kernel.__name__.strip("_").startswith(launch.kernel):
+            return kernel, args, kwargs
+    raise ValueError(f"no {launch.kernel} launch")
+
+
+def bind(launch: Launch, arch: int):
+    """The ``ASTSource`` and options Triton's launcher makes for ``launch`` on ``sm_<arch>``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel, args, kwargs = _arguments(launch)
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialisation, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, specialisation, options)
+    return ASTSource(kernel, signature, constexprs, attrs), options
 
 
 def i32_address_multiplies(llir: str) -> int:
@@ -73,40 +116,116 @@ def i32_address_multiplies(llir: str) -> int:
     return count
 
 
-def compile_report(kernel: str, constants: dict, arch: int, itemsize: int = 2) -> Compiled:
-    """Compile one specialisation for ``sm_<arch>`` (8 warps, 1 stage, as launched) and assemble it with ptxas. In a
-    process running Triton's interpreter (``TRITON_INTERPRET=1``, the tests) kernels cannot be compiled, so this runs
-    in a child process without it."""
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), BIN, name)
+
+
+def compile_launch(launch: Launch, arch: int, sass: bool = False) -> Compiled:
+    """Compile ``launch`` for ``sm_<arch>`` as the launcher would (:func:`bind`), assemble it with ptxas (registers,
+    spills) and, with ``sass``, disassemble the cubin (nvdisasm). In a process running Triton's interpreter
+    (``TRITON_INTERPRET=1``, the tests) kernels cannot be compiled, so this runs in a child process without it."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        args = json.dumps([kernel, constants, arch, itemsize])
+        args = json.dumps([asdict(launch), arch, sass])
         out = subprocess.run([sys.executable, "-m", "spark_bench.storage.gpu_compile", args], env=env,
                              capture_output=True, text=True, check=True).stdout
         return Compiled(**json.loads(out.strip().splitlines()[-1]))
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
 
-    from spark_bench.storage import triton_decode
-
-    fn = triton_decode._partials_kernel if kernel == "partials" else triton_decode._merge_kernel
     start = time.perf_counter()
-    source = ASTSource(fn=fn, signature={**_signature(kernel, itemsize), **{k: "constexpr" for k in constants}},
-                       constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=triton_decode.NUM_WARPS, num_stages=1))
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(compiled.asm["ptx"])
-        ptx.flush()
+    source, options = bind(launch, arch)
+    compiled = triton.compile(source, target=_target(arch), options=options.__dict__)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
         gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-        report = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", ptx.name, "-o", "/dev/null"],
+        report = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", ptx, "-o", "/dev/null"],
                                 capture_output=True, text=True, check=True).stderr
+        text = ""
+        if sass:
+            cubin = os.path.join(tmp, "k.cubin")
+            with open(cubin, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            text = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                                  check=True).stdout
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    return Compiled(kernel, arch, constants, registers, spills, i32_address_multiplies(compiled.asm["llir"]),
-                    round(time.perf_counter() - start, 1))
+    constants = {source.fn.arg_names[k[0]]: v for k, v in source.constants.items()}
+    return Compiled(launch.kernel, arch, constants, registers, spills, i32_address_multiplies(compiled.asm["llir"]),
+                    round(time.perf_counter() - start, 1), compiled.metadata.shared, options.num_warps,
+                    options.num_stages, text)
 
 
-if __name__ == "__main__":  # one specialisation, as JSON (compile_report's child process)
-    print(json.dumps(asdict(compile_report(*json.loads(sys.argv[1])))))
+def _target(arch: int):
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", arch, 32)
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A loop of a kernel's SASS (a backward branch and its target): its instructions, in program order, and the
+    loops nested inside it."""
+
+    start: int  # index of its first instruction
+    end: int    # index of its back-edge branch
+    inner: tuple = ()
+
+    def own(self, instructions: list[str]) -> list[str]:
+        """Its instructions outside the loops nested in it (one iteration's, beside ``inner``'s)."""
+        skip = {i for loop in self.inner for i in range(loop.start, loop.end + 1)}
+        return [instructions[i] for i in range(self.start, self.end + 1) if i not in skip]
+
+
+def parse_sass(sass: str) -> tuple[list[str], list[Loop]]:
+    """``nvdisasm -c`` text → (instructions in address order, outermost loops): a loop is the range from a branch
+    target to a ``BRA`` back to it (a one-instruction self-loop, the end-of-kernel trap, is not one); loops inside
+    another are its ``inner``."""
+    instructions, labels, branches = [], {}, []
+    for line in sass.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line.strip())
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;?\s*$", line)
+        if m and not m.group(2).startswith("NOP"):
+            text = m.group(2).rstrip(" ;")
+            target = re.search(r"BRA `?\(?(\.L_x_\d+)", text)
+            if target:
+                branches.append((len(instructions), target.group(1)))
+            instructions.append(text)
+    spans = sorted({(labels[t], i) for i, t in branches if t in labels and labels[t] < i},
+                   key=lambda s: (s[0], -s[1]))
+
+    def nest(ranges):
+        out = []
+        while ranges:
+            start, end = ranges.pop(0)
+            inside = [r for r in ranges if start <= r[0] and r[1] <= end]
+            ranges = [r for r in ranges if r not in inside]
+            out.append(Loop(start, end, tuple(nest(inside))))
+        return out
+
+    return instructions, nest(spans)
+
+
+def load_widths(instructions: list[str]) -> dict[int, int]:
+    """Bytes per thread of each global load (``LDG``) → how many there are."""
+    widths: dict[int, int] = {}
+    for text in instructions:
+        m = re.search(r"\bLDG\.E((?:\.\w+)*)", text)
+        if m:
+            mods = m.group(1)
+            size = next((b for key, b in ((".128", 16), (".64", 8), (".U16", 2), (".S16", 2), (".U8", 1),
+                                          (".S8", 1)) if key in mods), 4)
+            widths[size] = widths.get(size, 0) + 1
+    return dict(sorted(widths.items()))
+
+
+if __name__ == "__main__":  # one launch, as JSON (compile_launch's child process)
+    _launch, _arch, _sass = json.loads(sys.argv[1])
+    print(json.dumps(asdict(compile_launch(Launch(**_launch), _arch, _sass))))

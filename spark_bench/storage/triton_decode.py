@@ -36,6 +36,7 @@ WORK_COLS = 6   # list_start, count, t_start, t_end, val_addr, chunk
 BLOCK = 16      # tokens per inner step (16 × 128 channels of rebuilt keys: no register spill at 8 warps)
 ROWS = 16       # query rows per program (the dot products' M)
 NUM_WARPS = 8   # 256 threads: 16 tokens × 128 channels of rebuilt keys fit without spilling (sm_80, sm_90)
+MERGE_WARPS = 4  # the merge of a decode step (a few query rows per head)
 DOT_PRECISION: tl.constexpr = tl.constexpr("ieee")  # float32 products (FMA), as the C++ kernel
 
 
@@ -85,7 +86,7 @@ def _keys(cols_a, cols_b, split, aux, t, live, c, ELEM: tl.constexpr, ESIZE: tl.
     stat = (mode == 1) | (mode == 2)
     mu = tl.load((mu_addr + local * ESIZE).to(tl.pointer_type(ELEM), bitcast=True), mask=live & stat,
                  other=0.0).to(tl.float32)
-    scale = tl.where(mode == 1, mu, tl.where(mode == 2, tl.sqrt(tl.maximum(mu, 0.0)), fill))
+    scale = tl.where(mode == 1, mu, tl.where(mode == 2, tl.sqrt_rn(tl.maximum(mu, 0.0)), fill))
     first = sign_bitoff + local * (D - t_kept)  # bit index of the token's first pruned sign
     phase = (first & 7).to(tl.int32)
     signs = (sign_addr + (first >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True)
@@ -97,7 +98,18 @@ def _keys(cols_a, cols_b, split, aux, t, live, c, ELEM: tl.constexpr, ESIZE: tl.
 
 
 @triton.jit
-def _online(m_i, l_i, acc, s, v):
+def _scores(q, k, DOT: tl.constexpr):
+    """``q (rows, D) · k (n, D)ᵀ`` in float32: ``tl.dot`` (FMA products at ``ieee``) for 16 rows or more, else a
+    broadcast product summed over the channels (a decode step's few rows: no padding to the dot's 16)."""
+    if DOT:
+        out = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    else:
+        out = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    return out
+
+
+@triton.jit
+def _online(m_i, l_i, acc, s, v, DOT: tl.constexpr = True):
     """One online-softmax step: fold logits ``s (rows, n)`` and their values ``v (n, D)`` into the running max
     ``m_i``, sum ``l_i`` and ``acc = Σ exp(s − m) · v`` (rows fully masked so far keep ``m = −inf``, weight 0)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -105,7 +117,11 @@ def _online(m_i, l_i, acc, s, v):
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    if DOT:
+        pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+    else:
+        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
@@ -215,9 +231,8 @@ def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, new_
         at = (qh * tail_cap + t)[:, None] * D + c[None, :]
         tk = tl.load(tail_k_ptr + at, mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
         tv = tl.load(tail_v_ptr + at, mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(tk), input_precision=DOT_PRECISION)
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online(m_i, l_i, acc, s, tv)
+        s = tl.where(live[None, :], _scores(q, tk, RM >= 16), float("-inf"))
+        m_i, l_i, acc = _online(m_i, l_i, acc, s, tv, RM >= 16)
     newest = (g0 + g) % q_len  # the newest of the step's tokens each query row sees (causal suffix)
     for j0 in range(0, q_len, BLOCK_):
         j = j0 + tl.arange(0, BLOCK_).to(tl.int64)
@@ -228,9 +243,9 @@ def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, new_
         writes = live & ((j * 0 + gb) == 0)[:, None]  # the head's first program writes the tail
         tl.store(tail_k_ptr + at, nk, mask=writes)
         tl.store(tail_v_ptr + at, nv, mask=writes)
-        s = tl.dot(q, tl.trans(nk.to(tl.float32)), input_precision=DOT_PRECISION)
+        s = _scores(q, nk.to(tl.float32), RM >= 16)
         s = tl.where((j < q_len)[None, :] & (j[None, :] <= newest[:, None]), s, float("-inf"))
-        m_i, l_i, acc = _online(m_i, l_i, acc, s, nv.to(tl.float32))
+        m_i, l_i, acc = _online(m_i, l_i, acc, s, nv.to(tl.float32), RM >= 16)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (qh * q_stride + g * D)[:, None] + c[None, :], out, mask=both)
 
@@ -240,6 +255,34 @@ def launch_shape(rows_per_head: int) -> tuple[int, int]:
     heads sharing a value tensor one program serves (``RPM · MEMBERS = ROWS``)."""
     rpm = min(triton.next_power_of_2(max(rows_per_head, 1)), ROWS)
     return rpm, ROWS // rpm
+
+
+def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tail_keys, tail_values, tail_len,
+             q_len: int, g0: int, out, advance: int, acc=None, ml=None) -> list[tuple]:
+    """The two launches of :func:`fused_decode` as ``(kernel, grid, args, kwargs)``, exactly as it runs them (the
+    ahead-of-time compile, :mod:`.gpu_compile`, binds these arguments to get the specialisation Triton compiles at
+    run time). ``acc``/``ml``: the partial-softmax buffers (made here when None)."""
+    import torch
+
+    heads, n, d = q.shape
+    rpm, members = launch_shape(n)
+    d_pad = triton.next_power_of_2(d)
+    if acc is None:
+        acc = torch.empty(tables.n_slots, n, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(tables.n_slots, n, 2, dtype=torch.float32, device=q.device)
+    partials = (_partials_kernel, (max(tables.n_work, 1), triton.cdiv(n, rpm)),
+                (q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, tail_len, n,
+                 q.stride(0), scale, tables.n_work, advance),
+                dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK, ESIZE=elem.element_size(),
+                     num_warps=NUM_WARPS, num_stages=1))
+    rm = min(triton.next_power_of_2(n), ROWS)  # a decode step's few rows: no padding to 16
+    merge = (_merge_kernel, (heads, triton.cdiv(n, rm)),
+             (q, tables.head, acc, ml, tail_keys, tail_values, new_keys, new_values, tail_len, out, n, q.stride(0),
+              tail_keys.shape[1], q_len, g0, scale, new_keys.stride(0), new_keys.stride(1), new_values.stride(0),
+              new_values.stride(1)),
+             dict(D=d, D_PAD=d_pad, RM=rm, BLOCK_=BLOCK, num_warps=MERGE_WARPS if rm <= 4 else NUM_WARPS,
+                  num_stages=1))
+    return [partials, merge]
 
 
 def fused_decode(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tail_keys, tail_values, tail_len,
@@ -257,9 +300,7 @@ def fused_decode(q, scale: float, aux_scale, tables, elem, new_keys, new_values,
     the length. The partials launch advances ``tail_len`` by ``advance`` before the merge reads it: ``q_len`` on a
     layer's first call of a step, 0 on its others (the tail length is then ``old + q_len`` for every merge of the
     step). The caller runs this under the tensors' device (:func:`~spark_bench.storage.dispatch.on_device`)."""
-    import torch
-
-    heads, n, d = q.shape
+    _, n, d = q.shape
     if q.stride()[1:] != (d, 1) or out.stride() != q.stride():
         raise ValueError("queries and output need rows of D contiguous channels and the same strides")
     if new_keys.stride(-1) != 1 or new_values.stride(-1) != 1:
@@ -267,15 +308,7 @@ def fused_decode(q, scale: float, aux_scale, tables, elem, new_keys, new_values,
     rpm, members = launch_shape(n)
     if tables.members != members:
         raise ValueError(f"tables built for {tables.members} heads per work item, the launch needs {members}")
-    d_pad = triton.next_power_of_2(d)
-    acc = torch.empty(tables.n_slots, n, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(tables.n_slots, n, 2, dtype=torch.float32, device=q.device)
-    _partials_kernel[(max(tables.n_work, 1), triton.cdiv(n, rpm))](
-        q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, tail_len, n, q.stride(0),
-        scale, tables.n_work, advance, D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK,
-        ESIZE=elem.element_size(), num_warps=NUM_WARPS, num_stages=1)
-    _merge_kernel[(heads, triton.cdiv(n, ROWS))](
-        q, tables.head, acc, ml, tail_keys, tail_values, new_keys, new_values, tail_len, out, n, q.stride(0),
-        tail_keys.shape[1], q_len, g0, scale, new_keys.stride(0), new_keys.stride(1), new_values.stride(0),
-        new_values.stride(1), D=d, D_PAD=d_pad, RM=ROWS, BLOCK_=BLOCK, num_warps=NUM_WARPS, num_stages=1)
+    for kernel, grid, args, kwargs in launches(q, scale, aux_scale, tables, elem, new_keys, new_values, tail_keys,
+                                               tail_values, tail_len, q_len, g0, out, advance):
+        kernel[grid](*args, **kwargs)
     return out
