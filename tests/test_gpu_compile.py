@@ -7,6 +7,7 @@ with 64-bit offsets only, spill nothing, and the instruction-budget script reads
 ``results/bench/instructions.json``)."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,7 @@ def test_loops_are_found_by_their_back_edges():
     instructions, loops = parse_sass(SASS)
     assert len(instructions) == 9 and len(loops) == 1
     outer = loops[0]
-    assert (outer.start, outer.end) == (1, 5) and len(outer.inner) == 1
+    assert (outer.start, outer.end) == (1, 6) and len(outer.inner) == 1
     assert outer.own(instructions) == ["LDG.E.128 R4, desc[UR4][R2.64]", "IADD3 R2, R2, 0x10, RZ",
                                        "@P1 BRA `(.L_x_1)"]
     assert len(outer.inner[0].own(instructions)) == 3
@@ -69,6 +70,7 @@ def test_the_instruction_budget_script_reads_a_launched_kernel():
     token loop found, and the model's instructions per byte = warps × loop instructions ÷ (BLOCK × bytes)."""
     spec = importlib.util.spec_from_file_location("instructions", ROOT / "scripts/bench/instructions.py")
     bench = importlib.util.module_from_spec(spec)
+    sys.modules["instructions"] = bench  # (its dataclasses look their module up)
     spec.loader.exec_module(bench)
     k = bench.kernel_figures(Launch("partials", 128, 4), 90)
     assert k["spill_bytes"] == 0 and k["ctas_per_sm"] >= 1 and k["loops"]
