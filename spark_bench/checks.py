@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     """Bad user input: reported as one line, exit code 2."""
 
 
+# group → config names that exist besides conf/<group>/*.yaml: a search path's files and the method names Hydra's
+# ConfigStore holds for this command line (spark_bench.methods.registry.prepare_command_line)
+EXTRA_CHOICES: dict[str, set[str]] = {}
+
+
 PROTOCOL_KEYS = ("compress_scope", "window_size", "channel_window", "kernel_size", "pooling", "think_keep_window",
                  "pyramid_fallback", "ada_safeguard", "value_score", "value_fill", "window_q_norm",
                  "saliency_dtype", "budget_rounding", "group_fork_fill")  # what conf/protocol/*.yaml set
@@ -144,7 +149,7 @@ def check_group_choices(argv: list[str]) -> None:
         group = key.lstrip("+~")
         if group not in CONFIG_GROUPS or value in ("", "null") or any(c in value for c in "()[]{}$"):
             continue
-        valid = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        valid = sorted({p.stem for p in (CONF_DIR / group).glob("*.yaml")} | EXTRA_CHOICES.get(group, set()))
         unknown = [name for name in value.split(",") if name not in valid]
         if unknown:
             raise ConfigError(f"{group}={','.join(unknown)}: no such {group} config (conf/{group}/); "

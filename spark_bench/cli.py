@@ -51,7 +51,9 @@ def method_configs(cfg: DictConfig) -> list[MethodConfig]:
     from spark_bench.methods import MethodConfig
     from spark_bench.methods.pipeline import ratio_needed
 
-    base = {k: cfg[k] for k in method_options()}
+    base = {k: cfg[k] for k in method_options() if k in cfg}
+    if isinstance(base.get("kvpress"), DictConfig):
+        base["kvpress"] = OmegaConf.to_container(base["kvpress"])
     entries = [{"name": cfg.method.name}] if cfg.get("method") else OmegaConf.to_container(cfg.sweep.configs)
     out = []
     for i, entry in enumerate(entries):
@@ -501,6 +503,9 @@ def checked(tool: str, entry, check_job=None) -> None:
     verbosity, sys.argv[1:] = logs.take_flags(sys.argv[1:])
     logs.configure(verbosity, tool)
     try:
+        from spark_bench.methods.registry import prepare_command_line
+
+        prepare_command_line(sys.argv[1:])  # kvpress:<press> and methods of one's own as method= choices
         check_group_choices(sys.argv[1:])
         jobs = compose_jobs(sys.argv[1:])
         if check_job is not None and len(jobs) > 1:

@@ -73,6 +73,12 @@ def tail_attention(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return Partial.of(scores, values)
 
 
+def _query_length(query) -> int:
+    """The new tokens' count a layer's ``get_mask_sizes`` is given: an int (transformers >= 5.3) or the step's
+    ``cache_position`` tensor (transformers 5.0 … 5.2, whose ``DynamicLayer`` takes ``cache_position.shape[0]``)."""
+    return query if isinstance(query, int) else int(query.shape[0])
+
+
 class StoredLayer(CacheLayerMixin):
     """One layer: prompt keys/values in stores (+ a per-head validity mask for ragged heads), decoded tokens dense."""
 
@@ -144,10 +150,13 @@ class StoredLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.key_store.length + self.tail_length
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        return self.get_seq_length() + _query_length(query_length), 0
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers < 5.3's name of get_max_length (abstract there)
         return -1
 
     def nbytes(self) -> int:
@@ -489,10 +498,13 @@ class BatchedLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return max(self.lengths) + self.length
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        return self.get_seq_length() + _query_length(query_length), 0
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers < 5.3's name of get_max_length (abstract there)
         return -1
 
 

@@ -31,12 +31,19 @@ def prefill_spec(pipelines: list[Pipeline]) -> tuple[int, object, bool]:
     return window, next(iter(specs), None), any(not p.config.window_q_norm for p in pipelines)
 
 
+def prefill_hooks(pipelines: list[Pipeline]) -> tuple:
+    """The layer hooks the pipelines' methods run during the prefill (e.g. a kvpress press's scorer), each once
+    however many configs share it (:attr:`~spark_bench.methods.Pipeline.prefill_hooks`)."""
+    return tuple(dict.fromkeys(h for p in pipelines for h in p.prefill_hooks))
+
+
 def prefill_for(model: torch.nn.Module, input_ids, pipelines: list[Pipeline], ends: list[int]) -> Prefill:
-    """One full-cache prefill of ``input_ids`` that serves every pipeline (:func:`prefill_spec`), whatever prefix
-    (``ends``) it compresses."""
+    """One full-cache prefill of ``input_ids`` that serves every pipeline (:func:`prefill_spec`,
+    :func:`prefill_hooks`), whatever prefix (``ends``) it compresses."""
     window, stats, raw = prefill_spec(pipelines)
     ids = torch.tensor([list(input_ids)], device=model.get_input_embeddings().weight.device)
-    return run_prefill(model, ids, window, query_stats=stats, ends=tuple(set(ends)), raw_queries=raw)
+    return run_prefill(model, ids, window, query_stats=stats, ends=tuple(set(ends)), raw_queries=raw,
+                       hooks=prefill_hooks(pipelines))
 
 
 def compress_prefill(prefill: Prefill, pipeline: Pipeline, input_ids, end: int,

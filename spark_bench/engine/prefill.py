@@ -17,7 +17,7 @@ end, and :meth:`Prefill.at` gives the prefix's view.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,9 @@ class LayerPrefill:
     window_queries: torch.Tensor
     query_mean: torch.Tensor | None = None  # (B, H_q, D) expected future query (ExpectedAttention), float32
     query_cov: torch.Tensor | None = None   # (B, H_q, D, D) its covariance, float32
+    # what each layer hook (:func:`capture_window_queries`' ``hooks``, e.g. a kvpress press's scorer) returned for
+    # this layer and prefix, by the hook's ``key``
+    hooked: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     # per-sample scratch shared by every method config that compresses this layer: scores that depend only on
     # the prefill (e.g. SnapKV's pooled window attention, the same for every budget) are computed once
     memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -175,11 +178,17 @@ def query_statistics(module: nn.Module, hidden: torch.Tensor, spec: QueryStatsSp
 
 @contextmanager
 def capture_window_queries(model: nn.Module, window: int, query_stats: QueryStatsSpec | None = None,
-                           prompt_length: int = 0, ends: tuple[int, ...] = (), raw: bool = False):
+                           prompt_length: int = 0, ends: tuple[int, ...] = (), raw: bool = False, hooks: tuple = ()):
     """Within the block, record each layer's window queries into the yielded dict ``{layer_idx: tensor}``
     (and, with ``query_stats``, ``{("stats", layer_idx): (mean, cov)}``); for each prefix end in ``ends``, the same
     quantities of the prompt's first ``end`` tokens under ``{(end, True, layer_idx): (window queries, mean, cov)}``;
-    with ``raw``, also without the query norm under ``{(end, False, layer_idx): …}`` (whole prompt included)."""
+    with ``raw``, also without the query norm under ``{(end, False, layer_idx): …}`` (whole prompt included).
+
+    ``hooks``: layer hooks called after each attention forward, as kvpress calls a press's ``forward_hook``: ``hook(
+    module, hidden_states, keys, values, attentions, kwargs)`` with the layer's input, its cached keys and values,
+    its attention weights (None unless the model returns them) and the forward's keyword arguments, all cut to the
+    whole prompt and to each prefix end; what it returns is kept under ``{("hook", hook.key, end, layer_idx): …}``
+    (:attr:`LayerPrefill.hooked`). A hook with an ``attached(model)`` context manager holds it around the block."""
     captured: dict = {}
     handles = []
     rotations: dict = {}
@@ -206,22 +215,55 @@ def capture_window_queries(model: nn.Module, window: int, query_stats: QueryStat
             captured[end, False, module.layer_idx] = record(module, hidden, kwargs["position_embeddings"], end,
                                                             q_norm=False)
 
+    def after(module, args, kwargs, output):
+        cache = kwargs.get("past_key_values")
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        layer = cache.layers[module.layer_idx]
+        attentions = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        length = prompt_length or hidden.shape[1]
+        for end in (length, *ends):
+            cut = kwargs if end == length else _prefix_kwargs(kwargs, end)
+            for h in hooks:
+                captured["hook", h.key, end, module.layer_idx] = h(
+                    module, hidden[:, :end], layer.keys[:, :, :end], layer.values[:, :, :end],
+                    None if attentions is None else attentions[..., :end, :end], cut)
+
     for mod in attention_modules(model):
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        yield captured
-    finally:
-        for h in handles:
-            h.remove()
+        if hooks:
+            handles.append(mod.register_forward_hook(after, with_kwargs=True))
+    with ExitStack() as attached:
+        for h in hooks:
+            if hasattr(h, "attached"):
+                attached.enter_context(h.attached(model))
+        try:
+            yield captured
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _prefix_kwargs(kwargs: dict, end: int) -> dict:
+    """An attention forward's keyword arguments as a forward of the prompt's first ``end`` tokens would see them."""
+    out = dict(kwargs)
+    cos, sin = kwargs["position_embeddings"]
+    out["position_embeddings"] = (cos[:, :end], sin[:, :end])
+    for name in ("cache_position", "position_ids"):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            out[name] = kwargs[name][..., :end]
+    if isinstance(kwargs.get("attention_mask"), torch.Tensor):
+        out["attention_mask"] = kwargs["attention_mask"][..., :end, :end]
+    return out
 
 
 @torch.inference_mode()
 def run_prefill(model: nn.Module, input_ids: torch.Tensor, window: int,
                 query_stats: QueryStatsSpec | None = None, ends: tuple[int, ...] = (),
-                raw_queries: bool = False) -> Prefill:
+                raw_queries: bool = False, hooks: tuple = ()) -> Prefill:
     """Process the whole prompt once with a full dense cache; capture keys, values and window queries
     (and the query statistics ExpectedAttention needs, when asked), also for the prefixes ending at ``ends`` and,
-    with ``raw_queries`` on a model with a query norm, without it (:meth:`Prefill.at`)."""
+    with ``raw_queries`` on a model with a query norm, without it (:meth:`Prefill.at`); and what each layer hook
+    returns (:func:`capture_window_queries`)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"run_prefill expects input_ids of shape (1, S), got {tuple(input_ids.shape)}")
     start = time.perf_counter()
@@ -233,7 +275,7 @@ def run_prefill(model: nn.Module, input_ids: torch.Tensor, window: int,
     cache = DynamicCache(config=model.config)
     normed = has_q_norm(model)
     raw = raw_queries and normed
-    with capture_window_queries(model, window, query_stats, length, ends, raw) as queries:
+    with capture_window_queries(model, window, query_stats, length, ends, raw, hooks) as queries:
         out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return assemble_prefill(cache, queries, out.logits[0, -1].float(), ends, raw, normed, start)
 
@@ -243,12 +285,17 @@ def assemble_prefill(cache: DynamicCache, queries: dict, first_logits: torch.Ten
     """The :class:`Prefill` of a finished forward: its dense cache's keys and values, the window queries (and
     statistics) :func:`capture_window_queries` recorded, its last logits; timed from ``start`` (perf_counter)."""
     length = cache.get_seq_length()
+    hook_keys = {k[1] for k in queries if isinstance(k, tuple) and k[0] == "hook"}
+
+    def hooked(end: int, i: int) -> dict:
+        return {h: queries["hook", h, end, i] for h in hook_keys}
+
     layers = tuple(
-        LayerPrefill(layer.keys, layer.values, queries[i], *queries.get(("stats", i), (None, None)))
+        LayerPrefill(layer.keys, layer.values, queries[i], *queries.get(("stats", i), (None, None)), hooked(length, i))
         for i, layer in enumerate(cache.layers)
     )
     keys = [(end, True) for end in ends] + ([(end, False) for end in (*ends, length)] if raw else [])
-    prefixes = {key: tuple(queries[(*key, i)] for i in range(len(layers))) for key in keys}
+    prefixes = {key: tuple((*queries[(*key, i)], hooked(key[0], i)) for i in range(len(layers))) for key in keys}
     synchronize(first_logits.device)  # the prefill's device time, not its launch time
     return Prefill(layers=layers, prompt_length=length, first_logits=first_logits,
                    seconds=time.perf_counter() - start, prefixes=prefixes, has_q_norm=normed)

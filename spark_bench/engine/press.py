@@ -24,7 +24,7 @@ from torch import nn
 from transformers import Cache
 
 from spark_bench.engine.attention import ATTENTION_NAME
-from spark_bench.engine.compress import compress_prefill, prefill_spec
+from spark_bench.engine.compress import compress_prefill, prefill_hooks, prefill_spec
 from spark_bench.engine.generate import CompressedContext, SparkCache
 from spark_bench.engine.prefill import assemble_prefill, capture_window_queries, has_q_norm, model_key
 
@@ -51,6 +51,7 @@ def pressed(model: nn.Module, pipeline: Pipeline):
     """Within the block, the model's prefill forwards compress their cache under ``pipeline`` (module docstring).
     Yields a :class:`Pressed` record of the contexts built."""
     window, stats, raw_asked = prefill_spec([pipeline])
+    hooks = prefill_hooks([pipeline])
     normed = has_q_norm(model)
     config = model.config
     previous = config._attn_implementation
@@ -68,7 +69,7 @@ def pressed(model: nn.Module, pipeline: Pipeline):
             raise ValueError(f"input_ids: press compresses one prompt per forward, got a batch of {ids.shape[0]}; "
                              "for several prompts use spark_bench.compress([...]) and spark_bench.generate")
         length = ids.shape[-1]
-        capture = capture_window_queries(model, min(window, length), stats, length, (), raw_asked and normed)
+        capture = capture_window_queries(model, min(window, length), stats, length, (), raw_asked and normed, hooks)
         state.update(capture=capture, queries=capture.__enter__(), ids=ids[0].tolist(), start=time.perf_counter())
         return None
 

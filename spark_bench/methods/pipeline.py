@@ -22,6 +22,8 @@ from spark_bench.methods.eviction.pyramidkv import FALLBACKS, PyramidKV
 from spark_bench.methods.eviction.snapkv import SnapKV
 from spark_bench.methods.eviction.streamingllm import StreamingLLM
 from spark_bench.methods.eviction.tova import TOVA
+from spark_bench.methods.eviction import kvpress_scorer
+from spark_bench.methods import registry
 from spark_bench.options import FRACTION, POSITIVE_INT, Option, check_all
 from spark_bench.storage.stores import DenseStore
 
@@ -55,6 +57,47 @@ DISPLAY = {"full": "Full", "snapkv": "SnapKV", "streamingllm": "StreamingLLM", "
            "think": "ThinK", "spark": "SparK"}
 METHOD_NAMES = ("full", *EVICTION_METHODS, *CHANNEL_METHODS,
                 *(f"{e}+{c}" for e, c in itertools.product(EVICTION_METHODS, CHANNEL_METHODS)))
+MORE_NAMES = "kvpress:<press>[+think|+spark] (kvpress installed), or a method of your own (docs/development.md)"
+
+
+def part_kind(part: str) -> str | None:
+    """``eviction`` / ``channel`` for a method part (the paper's, ``kvpress:<press>``, or one's own:
+    :mod:`spark_bench.methods.registry`), None when nothing is called so."""
+    if part in EVICTION_METHODS or part.startswith(kvpress_scorer.PREFIX):
+        return "eviction"
+    if part in CHANNEL_METHODS:
+        return "channel"
+    external = registry.lookup(part) if part and part != "full" else None
+    return external.kind if external else None
+
+
+def check_name(name: str) -> None:
+    """``ValueError`` (one line, with the valid names) unless ``name`` is ``full``, one method part, or an eviction
+    part then a channel part (``snapkv+spark``, ``kvpress:knorm+spark``, ``my_method+think``)."""
+    if name in METHOD_NAMES:
+        return
+    parts = name.split("+")
+    kinds = [part_kind(p) for p in parts]
+    if not ((len(parts) == 1 and kinds[0]) or (len(parts) == 2 and kinds == ["eviction", "channel"])):
+        raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHOD_NAMES)}; or {MORE_NAMES}")
+
+
+def display(part: str) -> str:
+    """A method part's name in table labels."""
+    if part in DISPLAY:
+        return DISPLAY[part]
+    if part.startswith(kvpress_scorer.PREFIX):
+        return kvpress_scorer.display_name(part[len(kvpress_scorer.PREFIX):])
+    return part
+
+
+def _frozen(value):
+    """A kvpress option value as a hashable one (lists → tuples, mappings → sorted pairs)."""
+    if hasattr(value, "items"):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 # option name → allowed values, for the options with a closed set (checked before anything runs)
 COMPRESS_SCOPES = ("prompt", "question", "context")
@@ -135,14 +178,27 @@ class MethodConfig:
     pyramid_fallback: str = "original"
     alpha_safeguard: float = 0.2
     ada_safeguard: str = "kvpress"
+    # kvpress:<press> methods: the press's own options (kvpress={window_size: 64}), kept as sorted (key, value)
+    # pairs so a config stays hashable; to_dict gives them back as a mapping
+    kvpress: tuple = ()
     # the protocol whose options the library's spark_bench.method() started from (None: not said); shown first by
     # repr, not an option: no effect on what is computed, equality, to_dict or from_dict
     protocol: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
-        if self.name not in METHOD_NAMES:
-            raise ValueError(f"unknown method {self.name!r}; valid: {', '.join(METHOD_NAMES)}")
+        if self.kvpress is None or hasattr(self.kvpress, "items"):
+            object.__setattr__(self, "kvpress", _frozen(self.kvpress or {}))
+        elif not (isinstance(self.kvpress, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in self.kvpress)):
+            raise ValueError(f"kvpress must be a mapping of the press's options, e.g. kvpress={{window_size:64}}; "
+                             f"got {self.kvpress!r}")
+        check_name(self.name)
         check_all({name: getattr(self, name) for name in option_names()}, OPTION_TYPES)
+        if self.eviction_name is not None and not self.eviction_name.startswith(kvpress_scorer.PREFIX) and self.kvpress:
+            raise ValueError(f"kvpress={dict(self.kvpress)}: options of a kvpress:<press> method, but the method is "
+                             f"{self.name!r}")
+        for part in self.name.split("+"):  # a kvpress press or a method of one's own is built now: a bad option
+            if part_kind(part) is not None and part not in EVICTION_METHODS and part not in CHANNEL_METHODS:
+                build_part(part, self)  # is refused before any model loads
 
     def __repr__(self) -> str:
         body = ", ".join(f"{name}={getattr(self, name)!r}" for name in ("name", *option_names()))
@@ -169,18 +225,18 @@ class MethodConfig:
     @property
     def eviction_name(self) -> str | None:
         head = self.name.split("+")[0]
-        return head if head in EVICTION_METHODS else None
+        return head if part_kind(head) == "eviction" else None
 
     @property
     def channel_name(self) -> str | None:
         tail = self.name.split("+")[-1]
-        return tail if tail in CHANNEL_METHODS else None
+        return tail if part_kind(tail) == "channel" else None
 
     @property
     def label(self) -> str:
         """Row label in tables, e.g. ``SnapKV+SparK(0.8) @128``, ``SnapKV+SparK(0.5+0.3) @128``,
         ``SnapKV+SparK-p(0.99) @128``, ``SnapKV+SparK(0.8)[gaussian] @128``."""
-        text = "+".join(DISPLAY[p] for p in self.name.split("+"))
+        text = "+".join(display(p) for p in self.name.split("+"))
         if self.eviction_name == "pyramidkv" and self.pyramid_fallback != "original":
             text = text.replace("PyramidKV", f"PyramidKV[{self.pyramid_fallback}]", 1)
         vr = f"+{self.value_ratio:g}" if self.value_ratio else ""
@@ -206,6 +262,7 @@ class MethodConfig:
     def to_dict(self) -> dict:
         values = asdict(self)
         del values["protocol"]
+        values["kvpress"] = dict(self.kvpress)
         return values
 
 
@@ -237,10 +294,22 @@ def relevant_options(method: dict) -> set[str]:
     """The options that matter for the method config ``method`` (a :meth:`MethodConfig.to_dict`): its parts' own,
     plus the scope, the budget of an eviction method and the value pruning ratio."""
     parts = str(method.get("name", "full")).split("+")
-    keys = {"compress_scope", "value_ratio"} | ({"budget"} if parts[0] in EVICTION_METHODS else set())
+    keys = {"compress_scope", "value_ratio"} | ({"budget"} if part_kind(parts[0]) == "eviction" else set())
     if method.get("value_ratio"):
         keys |= {"value_score", "value_fill"}
-    return keys.union(*(METHOD_OPTIONS.get(p, ()) for p in parts))
+    return keys.union(*(METHOD_OPTIONS.get(p, ()) or _part_options(p) for p in parts))
+
+
+def _part_options(part: str) -> tuple[str, ...]:
+    """The options a kvpress press or a method of one's own reads: ``kvpress`` and the rounding; the options its
+    constructor names."""
+    if part.startswith(kvpress_scorer.PREFIX):
+        return ("kvpress", "budget_rounding")
+    external = registry.lookup(part) if part != "full" else None
+    if external is None:
+        return ()
+    names = external.parameters() | ({"budget_rounding"} if "rounding" in external.parameters() else set())
+    return tuple(sorted(names & set(option_names())))
 
 
 def tell_apart(labels: list[str], methods: list[dict]) -> list[str]:
@@ -280,12 +349,25 @@ def sweep_labels(configs: list[MethodConfig]) -> list[str]:
     return labels
 
 
+def build_part(part: str, cfg: MethodConfig):
+    """The method object of one part of ``cfg``'s name: the paper's, a kvpress press
+    (:mod:`~spark_bench.methods.eviction.kvpress_scorer`) or one of one's own (:mod:`~spark_bench.methods.registry`)."""
+    if part in EVICTION_METHODS:
+        return EVICTION_METHODS[part](cfg)
+    if part in CHANNEL_METHODS:
+        return CHANNEL_METHODS[part](cfg)
+    if part.startswith(kvpress_scorer.PREFIX):
+        return kvpress_scorer.from_config(part[len(kvpress_scorer.PREFIX):], cfg.kvpress, cfg.budget,
+                                          cfg.budget_rounding)
+    return registry.instantiate(registry.lookup(part), cfg.to_dict())
+
+
 def build_eviction(cfg: MethodConfig) -> EvictionMethod | None:
-    return EVICTION_METHODS[cfg.eviction_name](cfg) if cfg.eviction_name else None
+    return build_part(cfg.eviction_name, cfg) if cfg.eviction_name else None
 
 
 def build_channel(cfg: MethodConfig) -> ChannelMethod | None:
-    return CHANNEL_METHODS[cfg.channel_name](cfg) if cfg.channel_name else None
+    return build_part(cfg.channel_name, cfg) if cfg.channel_name else None
 
 
 @dataclass(frozen=True)
@@ -303,6 +385,11 @@ class Pipeline:
         return cls(config=cfg, eviction=build_eviction(cfg), channel=build_channel(cfg),
                    values=ValueNorm(cfg.value_ratio, cfg.value_score, cfg.value_fill) if cfg.value_ratio else None,
                    label=label or cfg.label)
+
+    @property
+    def prefill_hooks(self) -> tuple:
+        """Layer hooks its methods run during the prefill (a kvpress press's scorer: ``prefill_hooks``)."""
+        return (*getattr(self.eviction, "prefill_hooks", ()), *getattr(self.channel, "prefill_hooks", ()))
 
     @property
     def query_stats(self) -> QueryStatsSpec | None:
