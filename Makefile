@@ -9,6 +9,15 @@ PAPER_TARGETS = table1 table2 tab_full_llama3-8b tab_full_llama3.1-8b tab_full_l
 	tab_full_qwen3-32b tab_app_full_ruler ablation-dist ablation-variants kv-joint figure5 figure2
 .PHONY: demo test test-gpu gpu-check bench clean paper $(PAPER_TARGETS) figure2-longbench paper-shape protocols
 
+# The GPU goals need a CUDA device: without one they stop here, before anything is installed, in one line (exit 2)
+NODE_PYTHON ?= $(PY)
+ifneq ($(filter gpu-check test-gpu node,$(MAKECMDGOALS)),)
+CUDA_MISSING := $(shell $(if $(wildcard $(BIN)/python),$(BIN)/python,$(NODE_PYTHON)) scripts/gpu/require_cuda.py)
+ifneq ($(CUDA_MISSING),)
+$(error $(MAKECMDGOALS): $(CUDA_MISSING))
+endif
+endif
+
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c requirements.lock torch

@@ -1,241 +1,504 @@
-"""`make gpu-check`: the figures of the CUDA decode path on the machine it runs on → <out>/check.json.
+"""`make gpu-check`: what the CUDA decode path achieves at the production shape → <out>/check.json.
 
-On SmolLM2-135M (bf16): decode-step time of a compressed batch (the Table 1 method mix at 20% of the prompt, cycled
-to 6, 14 and 28 rows), with and without the CUDA graph (``decode_graph``), against a dense ``DynamicCache`` batch of
-the same rows; the fused kernel's achieved bandwidth on one layer (bytes it must read ÷ time) against the device's
-peak; decode throughput against input length at KV 128 (Fig. 5b's shape); the planner's predicted peak against
-``torch.cuda.max_memory_allocated`` for a compress-and-decode of the mix; the batched tokens against
-``decode_batch=1``; with two GPUs, a tiny Llama split over both decoding the tokens it decodes on one. Then, to
-calibrate ``dry_run``'s plan at the paper's scale without a hub: prefill TFLOP/s and the decode step of the Table 1
-mix on a randomly initialised Llama-3.1-8B-shaped model in bf16 at 8K and 32K tokens (``calibration``, read by
-:mod:`spark_bench.plan`). ``--device cpu`` with small ``--lengths``/``--calibrate`` runs the same code on the CPU
-(the C++ path), as a smoke test of this script.
+The model is Llama-3-8B-shaped (32 layers, hidden 4096, 32 query / 8 kv heads of D=128, bf16) with random weights
+(seeded; no hub, no download). Three workloads: Table 1's config mix (``conf/sweep/table1.yaml``, 27 configs, the
+``official`` protocol) on one 7,950-token prompt (LongBench's cut for LLaMA-3), one row at 32K and one at 127.5K
+(``snapkv+spark``, ratio 0.8, 20% of the prompt). For each, one section per question:
+
+* ``<workload>.memory``: the planner's predicted peak (:func:`spark_bench.memory.predict_run`) against the peak
+  measured over compressing and decoding (``torch.cuda.max_memory_allocated``, :mod:`spark_bench.engine.clock`);
+* ``<workload>.fused_layer``: one decoder layer's attention of the batch (:class:`BatchedLayer`: ``update`` then
+  ``attend``, as the model calls them) timed with CUDA events; the bytes it must read (each store once, the tail) ÷
+  its time as a fraction of the device's published peak bandwidth (:data:`PEAK_BANDWIDTH`, "unknown" otherwise);
+  the same for the same number of dense rows; its output against the per-row reference path (``materialize``);
+* ``<workload>.steps``: a decode step of the whole model over the compressed rows against one over dense rows
+  (``full``: the prompt's whole KV, one distinct prompt per row) — both eager, and both replayed from a CUDA graph
+  (:class:`~spark_bench.engine.decode.StepGraph`), each timed with CUDA events after warm-up steps (kernels
+  compiled, tables built, graph captured before timing);
+* ``table1_mix.tokens``: the batched tokens against ``decode_batch=1`` and against eager steps.
+
+Each section writes check.json as soon as it ends; a failing section records its error (and traceback) and the
+rest still run; the exit status is 1 when any section failed. With two GPUs, ``two_devices``: a tiny Llama split
+over both decodes the tokens it decodes on one. ``calibration`` (read by :mod:`spark_bench.plan`): the prefill and
+step times of the mix and the 32K row.
+
+``--device cpu --smoke``: the same code at tiny shapes on the CPU, the CUDA-only branches included: the compact
+backend is forced to ``triton`` and the fused kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), as in
+tests/test_fused_decode.py; CUDA graphs cannot be captured there, so the graphed steps record why (the engine's
+:meth:`~spark_bench.engine.cache.BatchedCache.graph_blocker`). Its timings are labelled CPU smoke, not figures.
+``make test`` runs it (tests/test_gpu_check.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import statistics
 import sys
 import time
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from omegaconf import OmegaConf
+if "--smoke" in sys.argv or any(a.endswith("cpu") for a in sys.argv):  # Triton picks its interpreter at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import spark_bench  # noqa: E402
-from spark_bench.engine.cache import BatchedCache  # noqa: E402
-from spark_bench.engine.decode import DecodeRow, decode_rows  # noqa: E402
-
 from spark_bench.checks import CONF_DIR as CONF  # noqa: E402  (conf/ in a checkout, spark_bench/conf in a wheel)
+from spark_bench.engine import cache as cache_module  # noqa: E402
+from spark_bench.engine import clock  # noqa: E402
+from spark_bench.engine.attention import compressed_attention_enabled  # noqa: E402
+from spark_bench.engine.cache import BatchedCache, BatchedLayer  # noqa: E402
+from spark_bench.engine.decode import DecodeRow, StepGraph, decode_rows  # noqa: E402
 
-PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s (SXM parts, published)
-MIX = [("snapkv", {}), ("snapkv+think", {"ratio": 0.5}), ("snapkv+spark", {"ratio": 0.5}),
-       ("snapkv+spark", {"ratio": 0.8}), ("pyramidkv+spark", {"ratio": 0.8}), ("adasnapkv+spark", {"ratio": 0.8}),
-       ("snapkv+spark", {"ratio": 0.8, "recovery": "zero"})]
+# Published peak memory bandwidth (bytes/s) by the name torch.cuda.get_device_name gives; first match wins.
+PEAK_BANDWIDTH = [
+    (r"\bH200\b", 4.8e12, "H200 (HBM3e)"),
+    (r"\bH100\b.*\bNVL\b", 3.9e12, "H100 NVL"),
+    (r"\bH100\b.*\bPCIe\b", 2.0e12, "H100 PCIe"),
+    (r"\bH100\b", 3.35e12, "H100 SXM"),
+    (r"\bA100\b.*80GB", 2.0e12, "A100 80GB"),
+    (r"\bA100\b", 1.555e12, "A100 40GB"),
+    (r"\bL40S\b", 0.864e12, "L40S"),
+]
+PRODUCTION = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0)
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=1, head_dim=16, vocab_size=1024, rope_theta=500000.0)  # 4 query heads per kv-head
+LONG_ROW = {"name": "snapkv+spark", "ratio": 0.8, "budget": 0.2}
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+@dataclass
+class Scale:
+    """Lengths, budgets and repeat counts: the production ones, or the CPU smoke's tiny ones."""
+
+    shape: dict
+    mix_prompt: int
+    rows: dict                       # workload name → prompt tokens of its one row
+    mix_budgets: tuple = (128, 512)  # Table 1's KV budgets taken into the mix (the smoke: 128's 14 configs)
+    budget_divisor: int = 1          # those budgets ÷ this
+    options: dict = field(default_factory=dict)  # method options over the protocol's (the smoke's small windows)
+    warm: int = 3
+    repeats: int = 20
+    new_tokens: int = 16
 
 
-def mix(budget):
-    return [spark_bench.method(name, budget=budget, compress_scope="prompt", **opts) for name, opts in MIX]
+FULL = Scale(PRODUCTION, 7950, {"row_32k": 32768, "row_127.5k": 127500})
+TINY = Scale(SMOKE, 48, {"row_32k": 96, "row_127.5k": 192}, mix_budgets=(128,), budget_divisor=16,
+             options={"window_size": 4, "channel_window": 4}, warm=0, repeats=1, new_tokens=2)
 
 
-def contexts(model, ids, budget, rows):
-    made = spark_bench.compress(model, ids, mix(budget))
-    return [made[i % len(made)] for i in range(rows)]
+class Report:
+    """check.json, rewritten after every section (a crash later loses nothing before it)."""
 
+    def __init__(self, out: Path, head: dict):
+        self.path = out / "check.json"
+        out.mkdir(parents=True, exist_ok=True)
+        self.data = {**head, "sections": {}, "errors": {}}
+        self.write()
 
-def decode_step_s(model, ctxs, new_tokens=(4, 20), stack=True, graph=True):
-    """Seconds per decode step of the rows together (the difference of two runs cancels the batch set-up)."""
-    device = model.get_input_embeddings().weight.device
-    times = []
-    for n in new_tokens:
-        rows = [DecodeRow(c.cache, c.first_logits, len(c.input_ids), n, frozenset()) for c in ctxs]
-        sync(device)
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def run(self, name: str, fn, *args):
+        """Run one section: its result (or its error and traceback) goes into check.json at once."""
         start = time.perf_counter()
-        decode_rows(model, rows, stack=stack, graph=graph)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return (times[1] - times[0]) / (new_tokens[1] - new_tokens[0]), [r.tokens for r in rows]
+        try:
+            result = fn(*args)
+        except Exception as exc:  # noqa: BLE001 — a failing section is recorded and the rest still run
+            self.data["errors"][name] = f"{type(exc).__name__}: {exc}"
+            self.data["sections"][name] = {"ok": False, "error": self.data["errors"][name],
+                                           "traceback": traceback.format_exc(),
+                                           "seconds": time.perf_counter() - start}
+            print(f"gpu-check: {name}: FAILED: {self.data['errors'][name]}", file=sys.stderr, flush=True)
+            result = None
+        else:
+            self.data["sections"][name] = {"ok": True, **result, "seconds": time.perf_counter() - start}
+            print(f"gpu-check: {name}: {json.dumps(result, default=str)}", flush=True)
+        self.write()
+        return result
+
+
+def peak_bandwidth(name: str) -> tuple[float | None, str]:
+    for pattern, peak, part in PEAK_BANDWIDTH:
+        if re.search(pattern, name):
+            return peak, part
+    return None, f"unknown (no published peak for {name!r} in scripts/gpu/check.py)"
+
+
+class Timer:
+    """Seconds of ``fn()``: CUDA events on a CUDA device (the device's own time, no host sync inside), else the
+    wall clock (CPU smoke)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.how = "CUDA events" if self.cuda else "wall clock (CPU smoke: not a figure)"
+
+    def median(self, fn, warm: int, repeats: int) -> float:
+        for _ in range(warm):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+@contextlib.contextmanager
+def cuda_path_on_cpu(device: torch.device):
+    """On the CPU (smoke): the compact backend answers ``triton``, so every CUDA-only branch of the decode path (the
+    fused kernel under the interpreter, the graph blocker) runs on CPU tensors; restored on exit."""
+    if device.type != "cpu":
+        yield
+        return
+    saved = cache_module.compact_backend
+    cache_module.compact_backend = lambda device, *args, **kwargs: "triton"
+    try:
+        yield
+    finally:
+        cache_module.compact_backend = saved
+
+
+class Bench:
+    """The random-weight model of ``scale.shape`` on ``device`` and the contexts of each workload (built once, by
+    the first section that needs them)."""
+
+    def __init__(self, device: torch.device, scale: Scale, dtype: torch.dtype):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.device, self.scale, self.dtype = device, scale, dtype
+        self.timer = Timer(device)
+        self.config = AutoConfig.for_model("llama", max_position_embeddings=131072, **scale.shape)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+            torch.manual_seed(0)  # seeded weights; the caller's random state is left as it was
+            self.model = AutoModelForCausalLM.from_config(self.config, dtype=dtype).eval()
+        self.generator = torch.Generator().manual_seed(0)
+        self.peak = peak_bandwidth(torch.cuda.get_device_name(device)) if device.type == "cuda" else (
+            None, "none (CPU smoke)")
+        self.contexts: dict[str, list] = {}
+        self.compress_s: dict[str, float] = {}
+
+    def model_config(self):
+        """The planner's view of this model (:class:`~spark_bench.models.ModelConfig` with its ``arch:`` block)."""
+        from spark_bench.models import ModelConfig
+
+        s = self.scale.shape
+        params = sum(p.numel() for p in self.model.parameters())
+        arch = dict(num_layers=s["num_hidden_layers"], num_heads=s["num_attention_heads"],
+                    num_kv_heads=s["num_key_value_heads"], head_dim=s["head_dim"], num_params=float(params),
+                    hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+                    vocab_size=s["vocab_size"])
+        return ModelConfig.from_dict({"name": "llama3-8b-shape", "source": "random", "architecture": "llama",
+                                      "dtype": str(self.dtype).removeprefix("torch."), "arch": arch,
+                                      "config": dict(s)})
+
+    def configs(self, workload: str) -> list:
+        if workload != "table1_mix":
+            return [spark_bench.method(**LONG_ROW, **self.scale.options)]
+        sweep = OmegaConf.to_container(OmegaConf.load(CONF / "sweep" / "table1.yaml"))["configs"]
+        out = []
+        for c in sweep:
+            c = dict(c)
+            if c.get("budget", self.scale.mix_budgets[0]) not in self.scale.mix_budgets:
+                continue
+            if "budget" in c:
+                c["budget"] = c["budget"] // self.scale.budget_divisor
+            out.append(spark_bench.method(**c, **self.scale.options))
+        return out
+
+    def prompt_tokens(self, workload: str) -> int:
+        return self.scale.mix_prompt if workload == "table1_mix" else self.scale.rows[workload]
+
+    def ids(self, tokens: int) -> list[int]:
+        return torch.randint(100, self.config.vocab_size, (tokens,), generator=self.generator).tolist()
+
+    def sync(self) -> None:
+        clock.synchronize(self.device)
+
+    def build(self, workload: str) -> list:
+        """Compress one prompt under the workload's configs (one prefill)."""
+        if workload not in self.contexts:
+            ids = self.ids(self.prompt_tokens(workload))
+            self.sync()
+            start = time.perf_counter()
+            self.contexts[workload] = spark_bench.compress(self.model, ids, self.configs(workload))
+            self.sync()
+            self.compress_s[workload] = time.perf_counter() - start
+        return self.contexts[workload]
+
+    def dense(self, workload: str, rows: int) -> list:
+        """``rows`` dense contexts (``full``: the whole prompt's KV), each of its own prompt (one prefill each)."""
+        full = spark_bench.method("full", **self.scale.options)
+        tokens = self.prompt_tokens(workload)
+        return spark_bench.compress(self.model, [self.ids(tokens) for _ in range(rows)], full)
+
+    def drop(self, workload: str) -> None:
+        self.contexts.pop(workload, None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def memory(bench: Bench, workload: str) -> dict:
+    """The planner's peak for compressing the workload and decoding its rows together, against the measured one."""
+    from spark_bench.memory import Device, predict_run
+
+    configs = bench.configs(workload)
+    prompt, new = bench.prompt_tokens(workload), bench.scale.new_tokens
+    weights = sum(p.numel() * p.element_size() for p in bench.model.parameters())
+    bench.drop(workload)
+    clock.reset_peak(bench.device)
+    baseline = clock.resident_now() - weights if bench.device.type == "cpu" else 0
+    ctxs = bench.build(workload)
+    rows = [DecodeRow(c.cache, c.first_logits, len(c.input_ids), new, frozenset()) for c in ctxs]
+    decode_rows(bench.model, rows)
+    bench.sync()
+    measured = clock.peak_memory(bench.device)
+    device = Device(str(bench.device), weights, bench.scale.shape["num_hidden_layers"])
+    predicted = predict_run(bench.model_config(), configs, prompt, new, None, 1, [device], max(baseline, 0)).peak
+    return {"prompt": prompt, "rows": len(ctxs), "new_tokens": new, "predicted_bytes": predicted,
+            "measured_bytes": measured, "predicted_over_measured": predicted / measured,
+            "measured_by": "torch.cuda.max_memory_allocated" if bench.device.type == "cuda"
+            else "peak resident set (CPU smoke: not a figure)", "compress_s": bench.compress_s[workload]}
+
+
+def _layer_bytes(rows: list, length: int) -> int:
+    """Bytes one fused step of layer 0 must read: each key and value store once (rows share stores), the validity
+    bits, and the tail's ``length`` decoded tokens of every row."""
+    seen, total = set(), 0
+    for layer in rows:
+        for store in (layer.key_store, layer.value_store):
+            if id(store) not in seen:
+                seen.add(id(store))
+                total += store.nbytes()
+        if layer.valid_bits is not None:
+            total += layer.valid_bits.numel()
+    b, h, _, d = rows[0].value_store.shape
+    return total + 2 * len(rows) * b * h * length * d * rows[0].value_store.dtype.itemsize
+
+
+def _fused_layer(bench: Bench, ctxs: list) -> dict:
+    """Layer 0 of the rows as one :class:`BatchedLayer`: each timed call is one ``update`` (the step's own key and
+    value) and one ``attend``, as a decode step calls them; first, one call against the reference path."""
+    scale = bench.scale
+    rows = [c.cache.layers[0] for c in ctxs]
+    capacity = 2 + scale.warm + scale.repeats
+    layer, reference = BatchedLayer(rows, capacity), BatchedLayer(rows, capacity, mode="materialize")
+    b, h, _, d = rows[0].value_store.shape
+    hq, n = bench.scale.shape["num_attention_heads"], len(rows) * b
+    g = torch.Generator(device=bench.device).manual_seed(1)
+    keys, values, query = (torch.randn(n, k, 1, d, generator=g, device=bench.device, dtype=bench.dtype)
+                           for k in (h, h, hq))
+    scaling = d ** -0.5
+    layer.update(keys, values)
+    out = layer.attend(query, scaling)
+    reference.update(keys, values)
+    expected = reference.attend(query, scaling)
+    error = (out.float() - expected.float()).abs().max().item()
+
+    def step():
+        layer.update(keys, values)
+        layer.attend(query, scaling)
+
+    seconds = bench.timer.median(step, scale.warm, scale.repeats)
+    length = 1 + scale.warm + (scale.repeats + 1) // 2  # the tail at the median call
+    nbytes = _layer_bytes(rows, length)
+    peak = bench.peak[0]
+    return {"rows": len(rows), "backend": layer.backend, "fused_rows": len(layer.stacked), "loose_rows": len(layer.loose),
+            "bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds,
+            "fraction_of_peak": nbytes / seconds / peak if peak else None, "max_abs_error_vs_reference": error}
+
+
+def fused_layer(bench: Bench, workload: str) -> dict:
+    ctxs = bench.build(workload)
+    compressed = _fused_layer(bench, ctxs)
+    dense_ctxs = bench.dense(workload, len(ctxs))
+    dense = _fused_layer(bench, dense_ctxs)
+    del dense_ctxs
+    return {"timed_by": bench.timer.how, "peak_bandwidth": bench.peak[1], "compressed": compressed, "dense": dense,
+            "kv_bytes_ratio": compressed["bytes"] / dense["bytes"]}
 
 
 @torch.inference_mode()
-def dense_step_s(model, ids, rows, steps=16):
-    from transformers import DynamicCache
+def _step_times(bench: Bench, ctxs: list) -> dict:
+    """One decode step of the model over the rows (a :class:`BatchedCache`), eager and replayed from a captured
+    graph: after the first step (tables built, kernels compiled) and ``warm`` more, ``repeats`` timed steps each."""
+    scale, model, device = bench.scale, bench.model, bench.device
+    r = len(ctxs)
+    cache = BatchedCache([c.cache for c in ctxs], 2 + 2 * (scale.warm + scale.repeats) + 1)
+    ids = torch.randint(100, bench.config.vocab_size, (r, 1), generator=bench.generator).to(device)
+    positions = torch.tensor([[len(c.input_ids)] for c in ctxs], device=device)
 
-    device = model.get_input_embeddings().weight.device
-    batch = torch.tensor([ids] * rows, device=device)
-    cache = DynamicCache()
-    out = model(input_ids=batch, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    times = []
-    for _ in range(steps):
-        sync(device)
-        start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    def eager():
+        model(input_ids=ids, position_ids=positions, past_key_values=cache, compressed_cache=cache, use_cache=True,
+              logits_to_keep=1)
+        positions.add_(1)
 
+    with compressed_attention_enabled(model):
+        eager()
+        out = {"eager_s": bench.timer.median(eager, scale.warm, scale.repeats)}
+        blocker = cache.graph_blocker()
+        out["graph"] = "captured" if blocker is None else f"not captured: {blocker}"
+        if blocker is None:
+            graph = StepGraph(model, cache, ids, positions)
 
-def kernel_bandwidth(ctxs, device, repeats=20):
-    """One layer of the batch: bytes the fused step must read (stores, shared tensors once, and the tail) ÷ time."""
-    batch = BatchedCache([c.cache for c in ctxs], capacity=8)
-    layer = batch.layers[0]
-    h, d = layer.tail_keys.shape[1], layer.tail_keys.shape[-1]
-    hq = ctxs[0].cache.layers[0].value_store.shape[1] * 3  # SmolLM2: 9 query heads over 3 kv-heads
-    keys = torch.randn(len(ctxs), h, 1, d, device=device, dtype=layer.tail_keys.dtype)
-    layer.update(keys, keys)
-    query = torch.randn(len(ctxs), hq, 1, d, device=device, dtype=layer.tail_keys.dtype)
-    seen, stored = set(), 0
-    for c in ctxs:
-        for store in (c.cache.layers[0].key_store, c.cache.layers[0].value_store):
-            if id(store) not in seen:
-                seen.add(id(store))
-                stored += store.nbytes()
-    layer.attend(query, 0.125)
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        layer.attend(query, 0.125)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return stored, statistics.median(times)
+            def replay():
+                graph(cache, ids, positions)
+                positions.add_(1)
 
-
-def predicted_vs_measured(lm, ids, device, new_tokens=16):
-    """The planner's peak for compressing the mix and decoding it together, against the device's measured peak."""
-    from spark_bench.memory import predict_run
-
-    configs = mix(0.2)
-    predicted = predict_run(lm.config, configs, len(ids), new_tokens, None, 1).devices[0].peak
-    sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    ctxs = contexts(lm.model, ids, 0.2, len(configs))
-    decode_step_s(lm.model, ctxs, new_tokens=(new_tokens, new_tokens))
-    measured = torch.cuda.max_memory_allocated(device)
-    return {"prompt": len(ids), "rows": len(configs), "predicted_bytes": predicted, "measured_bytes": measured,
-            "predicted_over_measured": predicted / measured}
-
-
-def two_devices(ids):
-    """A tiny Llama split over cuda:0 and cuda:1 (Accelerate's hooks move activations between them; every layer's
-    cache and kernels on its own device) decodes the tokens it decodes on one device."""
-    from accelerate import dispatch_model
-
-    lm = spark_bench.load("tiny-llama", device="cuda:0")
-    ctxs = contexts(lm.model, ids, 0.2, len(MIX))
-    _, one = decode_step_s(lm.model, ctxs)
-    layers = len(lm.model.model.layers)
-    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1,
-                  **{f"model.layers.{i}": 0 if i < layers // 2 else 1 for i in range(layers)}}
-    split = dispatch_model(lm.model, device_map)
-    ctxs = contexts(split, ids, 0.2, len(MIX))
-    _, two = decode_step_s(split, ctxs)
-    return {"layers": layers, "tokens_equal_one_device": one == two}
-
-
-def calibration(device, lengths, shape):
-    """Prefill TFLOP/s and the decode step of the Table 1 mix on a randomly initialised model of ``shape``'s
-    ``arch:`` block (bf16): what :mod:`spark_bench.plan` prints beside its estimate."""
-    from transformers import AutoModelForCausalLM
-
-    from spark_bench.memory import Arch
-    from spark_bench.models import ModelConfig
-    from spark_bench.plan import prefill_flops
-
-    cfg = ModelConfig.from_dict(OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{shape}.yaml")))
-    arch = Arch.of(cfg)
-    config = arch.empty_model("bfloat16").config
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for tokens in lengths:
-        ids = torch.randint(100, arch.vocab_size, (tokens,), generator=g).tolist()
-        sync(device)
-        start = time.perf_counter()
-        ctxs = contexts(model, ids, 0.2, len(MIX))
-        sync(device)
-        prefill_s = time.perf_counter() - start  # prefill and compression of every config (one prefill)
-        step, _ = decode_step_s(model, ctxs, new_tokens=(2, 6))
-        flops = prefill_flops(arch.num_params, arch.num_layers, arch.num_heads, arch.head_dim, tokens)
-        out.append({"model": f"{shape} (random weights)", "tokens": tokens, "prefill_and_compress_s": prefill_s,
-                    "prefill_tflops": flops / prefill_s / 1e12, "step_ms": step * 1e3, "rows": len(ctxs)})
-        print(out[-1], flush=True)
-        del ctxs
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+            out["graphed_s"] = bench.timer.median(replay, scale.warm, scale.repeats)
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="results/bench/gpu")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--prompt", type=int, default=2048)
-    parser.add_argument("--rows", default="6,14,28")
-    parser.add_argument("--lengths", default="2048,8192,16384")
-    parser.add_argument("--calibrate", default="8192,32768", help="token counts for the 8B-shaped model ('' = skip)")
-    parser.add_argument("--calibrate-shape", default="llama3.1-8b")
-    args = parser.parse_args()
+def steps(bench: Bench, workload: str) -> dict:
+    ctxs = bench.build(workload)
+    compressed = _step_times(bench, ctxs)
+    dense_ctxs = bench.dense(workload, len(ctxs))
+    dense = _step_times(bench, dense_ctxs)
+    del dense_ctxs
+    out = {"rows": len(ctxs), "timed_by": bench.timer.how, "compressed": compressed, "dense": dense,
+           "eager_compressed_over_dense": compressed["eager_s"] / dense["eager_s"]}
+    if "graphed_s" in compressed and "graphed_s" in dense:
+        out["graphed_compressed_over_dense"] = compressed["graphed_s"] / dense["graphed_s"]
+    return out
+
+
+def tokens(bench: Bench, workload: str) -> dict:
+    """Greedy tokens of the rows decoded together (graph where the batch allows), eagerly, and one at a time."""
+    new = bench.scale.new_tokens
+
+    def decode(ctxs, graph=True):
+        rows = [DecodeRow(c.cache, c.first_logits, len(c.input_ids), new, frozenset()) for c in ctxs]
+        return [row.tokens for row in decode_rows(bench.model, rows, graph=graph)]
+
+    ctxs = bench.build(workload)
+    batched = decode(ctxs)
+    eager = decode(ctxs, graph=False)
+    alone = [decode([c])[0] for c in ctxs]
+    differ = [i for i, (a, b) in enumerate(zip(batched, alone)) if a != b]
+    return {"rows": len(ctxs), "new_tokens": new, "graph_tokens_equal_eager": batched == eager,
+            "tokens_equal_decode_batch_1": not differ, "rows_differing_from_decode_batch_1": differ}
+
+
+def calibration(bench: Bench, report: Report) -> dict:
+    """What :mod:`spark_bench.plan` prints beside its estimate: prefill (and compression) TFLOP/s and the step of
+    the mix and of the 32K row, from the sections above."""
+    from spark_bench.memory import Arch
+    from spark_bench.plan import prefill_flops
+
+    arch = Arch.of(bench.model_config())
+    rows = []
+    for workload in ("table1_mix", "row_32k"):
+        mem, step = (report.data["sections"].get(f"{workload}.{s}", {}) for s in ("memory", "steps"))
+        if not (mem.get("ok") and step.get("ok")):
+            continue
+        tokens_ = bench.prompt_tokens(workload)
+        flops = prefill_flops(arch.num_params, arch.num_layers, arch.num_heads, arch.head_dim, tokens_)
+        seconds = step["compressed"].get("graphed_s", step["compressed"]["eager_s"])
+        rows.append({"model": "llama3-8b-shaped (random weights)", "tokens": tokens_,
+                     "prefill_and_compress_s": mem["compress_s"], "prefill_tflops": flops / mem["compress_s"] / 1e12,
+                     "step_ms": seconds * 1e3, "rows": step["rows"]})
+    if not rows:
+        raise RuntimeError("no workload has both its memory and steps sections")
+    if bench.device.type == "cuda":
+        report.data["calibration"] = rows  # the key spark_bench.plan reads
+    return {"rows": rows}
+
+
+def two_devices(bench: Bench) -> dict:
+    """A tiny Llama split over cuda:0 and cuda:1 (Accelerate's hooks move activations between them; every layer's
+    cache and kernels on its own device) decodes the tokens it decodes on one."""
+    from accelerate import dispatch_model
+
+    lm = spark_bench.load("tiny-llama", device="cuda:0")
+    ids = bench.ids(256)
+    configs = bench.configs("table1_mix")
+
+    def decode(model):
+        ctxs = spark_bench.compress(model, ids, configs)
+        rows = [DecodeRow(c.cache, c.first_logits, len(c.input_ids), 8, frozenset()) for c in ctxs]
+        return [row.tokens for row in decode_rows(model, rows)]
+
+    one = decode(lm.model)
+    layers = len(lm.model.model.layers)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1,
+                  **{f"model.layers.{i}": 0 if i < layers // 2 else 1 for i in range(layers)}}
+    two = decode(dispatch_model(lm.model, device_map))
+    return {"layers": layers, "tokens_equal_one_device": one == two}
+
+
+WORKLOADS = ("table1_mix", "row_32k", "row_127.5k")
+SECTIONS = {"memory": memory, "fused_layer": fused_layer, "steps": steps}
+
+
+def section_names() -> list[str]:
+    names = [f"{w}.{s}" for w in WORKLOADS for s in SECTIONS]  # steps last: it drops the workload's contexts
+    return names[:2] + ["table1_mix.tokens"] + names[2:] + ["calibration", "two_devices"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="results/bench/gpu", help="directory of check.json")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU smoke test of this script)")
+    parser.add_argument("--sections", default="", help="comma-separated section names to run (default: all of "
+                        f"{', '.join(section_names())})")
+    args = parser.parse_args(argv)
+    wanted = [s for s in args.sections.split(",") if s] or section_names()
+    unknown = sorted(set(wanted) - set(section_names()))
+    if unknown:
+        print(f"gpu-check: --sections: unknown {', '.join(unknown)}; valid: {', '.join(section_names())}",
+              file=sys.stderr)
+        return 2
     device = torch.device(args.device)
-    lm = spark_bench.load("smollm2-135m", device=args.device, dtype="bfloat16")
-    model = lm.model
-    g = torch.Generator().manual_seed(0)
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "steps": []}
-    ids = torch.randint(100, 40000, (args.prompt,), generator=g).tolist()
-    for rows in (int(x) for x in args.rows.split(",")):
-        ctxs = contexts(model, ids, 0.2, rows)
-        step, tokens = decode_step_s(model, ctxs)
-        eager, eager_tokens = decode_step_s(model, ctxs, graph=False)
-        dense = dense_step_s(model, ids, rows)
-        report["steps"].append({"rows": rows, "prompt": len(ids), "compressed_step_s": step,
-                                "compressed_step_s_no_graph": eager, "dense_step_s": dense,
-                                "compressed_over_dense": step / dense, "graph_tokens_equal": tokens == eager_tokens,
-                                "kv_bytes_ratio": sum(c.nbytes for c in ctxs) / sum(c.dense_nbytes for c in ctxs)})
-        print(report["steps"][-1], flush=True)
-    ctxs = contexts(model, ids, 0.2, len(MIX))
-    _, batched = decode_step_s(model, ctxs)
-    alone = [decode_step_s(model, [c])[1][0] for c in ctxs]
-    report["tokens_equal_decode_batch_1"] = batched == alone
-    stored, seconds = kernel_bandwidth(ctxs, device)
-    peak = next((v for k, v in PEAK_BANDWIDTH.items() if k in report["device"]), None)
-    report["kernel"] = {"bytes": stored, "seconds": seconds, "bytes_per_s": stored / seconds,
-                        "fraction_of_peak": stored / seconds / peak if peak else None}
-    del ctxs
-    report["throughput_vs_length"] = []
-    for length in (int(x) for x in args.lengths.split(",")):
-        long_ids = torch.randint(100, 40000, (length,), generator=g).tolist()
-        ctxs = contexts(model, long_ids, 128, len(MIX))
-        step, _ = decode_step_s(model, ctxs)
-        report["throughput_vs_length"].append({"length": length, "budget": 128, "rows": len(ctxs),
-                                               "tokens_per_s": len(ctxs) / step})
-        print(report["throughput_vs_length"][-1], flush=True)
-        del ctxs
-    if device.type == "cuda":
-        report["memory"] = predicted_vs_measured(lm, ids, device)
-        print(report["memory"], flush=True)
-        if torch.cuda.device_count() >= 2:
-            report["two_devices"] = two_devices(ids[:256])
-    del lm, model
-    if args.calibrate:
-        report["calibration"] = calibration(device, [int(x) for x in args.calibrate.split(",")],
-                                            args.calibrate_shape)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "check.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    print(json.dumps(report, indent=1))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu-check: no CUDA device (torch.cuda.is_available() is False); `--device cpu --smoke` runs the "
+              "CPU smoke", file=sys.stderr)
+        return 2
+    scale = TINY if args.smoke else FULL
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = peak_bandwidth(name) if device.type == "cuda" else (None, "none (CPU smoke)")
+    report = Report(Path(args.out), {
+        "device": name, "mode": "CPU smoke (tiny shapes; timings are not figures)" if device.type == "cpu"
+        else "GPU", "torch": torch.__version__, "shape": scale.shape, "dtype": "bfloat16",
+        "peak_bandwidth_bytes_per_s": peak[0], "peak_bandwidth": peak[1]})
+    with cuda_path_on_cpu(device):
+        bench = Bench(device, scale, torch.bfloat16)
+        for section in section_names():
+            if section not in wanted:
+                continue
+            if section == "calibration":
+                report.run(section, calibration, bench, report)
+            elif section == "two_devices":
+                if device.type == "cuda" and torch.cuda.device_count() >= 2:
+                    report.run(section, two_devices, bench)
+            else:
+                workload, what = section.rsplit(".", 1)
+                report.run(section, tokens if what == "tokens" else SECTIONS[what], bench, workload)
+                if what == "steps":
+                    bench.drop(workload)
+    failed = sorted(report.data["errors"])
+    print(f"gpu-check: wrote {report.path}" + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""`make gpu-check` without a GPU: scripts/gpu/check.py's CPU smoke (every section at tiny shapes, the CUDA-only
+branches under Triton's interpreter) passes in CI; a broken section is recorded in check.json while the others still
+run; without a CUDA device `make gpu-check` / `make test-gpu` stop at once in one line (exit 2)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu" / "check.py"
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU smoke of the GPU check")
+
+
+def load_check():
+    """scripts/gpu/check.py as a module (registered before it runs: its dataclasses look their module up)."""
+    if "gpu_check" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_check"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["gpu_check"]
+
+
+def test_cpu_smoke_runs_every_section(tmp_path):
+    """The script as `make gpu-check` runs it, at tiny shapes on the CPU: exit 0, every section ok, the fused
+    (CUDA) kernel serving every row and agreeing with the reference path, the ratios and the planner's peak there."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "check.json").read_text())
+    check = load_check()
+    expected = [s for s in check.section_names() if s != "two_devices"]  # two_devices needs two GPUs
+    assert list(data["sections"]) == expected and data["errors"] == {}
+    assert data["mode"].startswith("CPU smoke")
+    sections = data["sections"]
+    for workload in check.WORKLOADS:
+        layer = sections[f"{workload}.fused_layer"]
+        for kind in ("compressed", "dense"):
+            assert layer[kind]["backend"] == "triton" and layer[kind]["fused_rows"] == layer[kind]["rows"]
+            assert layer[kind]["max_abs_error_vs_reference"] < 2e-2  # bf16 output of float32 arithmetic
+            assert layer[kind]["fraction_of_peak"] is None  # no peak bandwidth for a CPU
+        assert 0 < layer["kv_bytes_ratio"] < 1
+        steps = sections[f"{workload}.steps"]
+        for kind in ("compressed", "dense"):
+            assert steps[kind]["graph"] == "not captured: the batch is not on a CUDA device"
+        assert steps["eager_compressed_over_dense"] > 0
+        memory = sections[f"{workload}.memory"]
+        assert memory["predicted_bytes"] > 0 and memory["measured_bytes"] > 0
+    assert sections["table1_mix.memory"]["rows"] == 14  # Table 1's configs at KV 128 (the smoke's budget)
+    assert sections["table1_mix.tokens"]["tokens_equal_decode_batch_1"]
+    assert sections["table1_mix.tokens"]["graph_tokens_equal_eager"]
+    assert [r["tokens"] for r in sections["calibration"]["rows"]] == [check.TINY.mix_prompt,
+                                                                     check.TINY.rows["row_32k"]]
+    assert "calibration" not in data  # the plan reads only a GPU's figures
+
+
+def test_a_broken_section_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
+    """A section that raises: its error and traceback land in check.json, written already by the sections before
+    it (the broken one reads it from disk), the sections after it run, and the exit status is 1."""
+    check = load_check()
+    seen = []
+
+    def broken(bench, workload):
+        seen.append(list(json.loads((tmp_path / "check.json").read_text())["sections"]))
+        raise RuntimeError("deliberately broken")
+
+    monkeypatch.setitem(check.SECTIONS, "fused_layer", broken)
+    wanted = "row_32k.memory,row_32k.fused_layer,row_32k.steps"
+    assert check.main(["--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", wanted]) == 1
+    data = json.loads((tmp_path / "check.json").read_text())
+    assert seen == [["row_32k.memory"]]
+    assert data["errors"] == {"row_32k.fused_layer": "RuntimeError: deliberately broken"}
+    assert "deliberately broken" in data["sections"]["row_32k.fused_layer"]["traceback"]
+    assert data["sections"]["row_32k.memory"]["ok"] and data["sections"]["row_32k.steps"]["ok"]
+
+
+def test_unknown_section_is_refused(tmp_path, capsys):
+    check = load_check()
+    assert check.main(["--device", "cpu", "--smoke", "--out", str(tmp_path / "x"), "--sections", "row_32k.nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gpu-check: --sections: unknown row_32k.nope; valid: table1_mix.memory")
+    assert not (tmp_path / "x").exists()
+
+
+def test_peak_bandwidth_by_device_name():
+    check = load_check()
+    assert check.peak_bandwidth("NVIDIA H100 80GB HBM3") == (3.35e12, "H100 SXM")
+    assert check.peak_bandwidth("NVIDIA H100 PCIe") == (2.0e12, "H100 PCIe")
+    assert check.peak_bandwidth("NVIDIA H200") == (4.8e12, "H200 (HBM3e)")
+    assert check.peak_bandwidth("NVIDIA A100-SXM4-80GB") == (2.0e12, "A100 80GB")
+    peak, what = check.peak_bandwidth("NVIDIA GH200 480GB")  # not the H200: no published figure in the table
+    assert peak is None and what.startswith("unknown")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("target", ["gpu-check", "test-gpu"])
+def test_gpu_targets_stop_at_once_without_cuda(target):
+    done = subprocess.run(["make", "-s", "--no-print-directory", target], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert done.returncode == 2
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0], lines
+
+
+def test_check_without_cuda_is_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert load_check().main(["--out", "unused"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA device" in err[0]
