@@ -2,14 +2,15 @@
 
 The library (:mod:`spark_bench.api`): ``method`` (a config from the command line's names and options), ``prompt``
 (token ids with their parts), ``compress`` (one prefill → compact stores with their true bytes), ``generate``
-(``model.generate`` continued from them), ``ask`` (several questions over one compressed context) and ``load`` (a
-model of ``conf/model/``). They are imported on first use, so ``import spark_bench`` (and the command line's cheap
+(``model.generate`` continued from them), ``ask`` (several questions over one compressed context), ``answer_nll``
+(a reference answer's likelihood through a compressed cache) and ``load`` (a model of ``conf/model/``). They are imported on first use, so ``import spark_bench`` (and the command line's cheap
 start-up checks) do not load torch.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["CompressedContext", "SparkCache", "ask", "compress", "generate", "load", "method", "press", "prompt"]
+__all__ = ["CompressedContext", "SparkCache", "answer_nll", "ask", "compress", "generate", "load", "method", "press",
+           "prompt"]
 
 
 def __getattr__(name: str):

@@ -9,6 +9,7 @@ with ``model.generate``, holding the compact stores (their true bytes), not a de
     context = spark_bench.compress(lm.model, prompt, config)  # one prefill, then the compact stores
     out = spark_bench.generate(lm.model, context, max_new_tokens=32)   # model.generate(...) underneath
     answers = spark_bench.ask(lm.model, context_text, [q1, q2], config, tokenizer=lm.tokenizer)
+    nll = spark_bench.answer_nll(lm.model, context, " Paris", tokenizer=lm.tokenizer)  # a reference's likelihood
 
 The harness's runner compresses with the same two steps (:mod:`spark_bench.engine.compress`), so a
 library call and a harness run of the same prompt and config give the same tokens (tests check it across the method
@@ -29,14 +30,17 @@ from omegaconf import OmegaConf
 from spark_bench.benchmarks.base import Prompt, Sample, encode_prompt
 from spark_bench.checks import CONF_DIR, protocol_options
 from spark_bench.engine.compress import compress_prefill, prefill_for
-from spark_bench.engine.generate import CompressedContext, SparkCache, check_vocabulary, generate
+from spark_bench.engine.fidelity import ForcedRow, forced_log_probs, mean_nll
+from spark_bench.engine.generate import CompressedContext, SparkCache, check_contexts, check_vocabulary
+from spark_bench.engine.generate import generate as _generate
 from spark_bench.engine.prefill import model_key
 from spark_bench.engine.press import Pressed, pressed
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.pipeline import ratio_needed, sweep_labels
 from spark_bench.models import LoadedModel, ModelConfig, load_model
 
-__all__ = ["CompressedContext", "SparkCache", "ask", "compress", "generate", "load", "method", "press", "prompt"]
+__all__ = ["CompressedContext", "SparkCache", "answer_nll", "ask", "compress", "generate", "load", "method", "press",
+           "prompt"]
 
 
 def method(name: str = "full", protocol: str | None = "official", **options) -> MethodConfig:
@@ -153,35 +157,67 @@ def press(model: torch.nn.Module, name: str = "snapkv+spark", protocol: str | No
     if scope != "prompt":
         raise ValueError(f"compress_scope={scope!r}: a press compresses the whole prompt the prefill sees "
                          "('prompt'); for 'question' / 'context' use spark_bench.compress on a spark_bench.prompt")
-    if not isinstance(name, str):  # a kvpress press object: it selects the tokens, SparK / ThinK prune them
-        pipeline = _press_pipeline(name, protocol, options)
-    else:
-        pipeline = Pipeline.from_config(method(name, protocol, compress_scope="prompt", **options))
-    with pressed(model, pipeline) as record:
+    config = method(name, protocol, compress_scope="prompt", **options)
+    with pressed(model, Pipeline.from_config(config)) as record:
         yield record
 
 
-def _press_pipeline(press, protocol: str | None, options: dict) -> Pipeline:
-    """``press(model, kvpress.KnormPress(0.5), ratio=0.8[, channel="think"])``: the press keeps the tokens kvpress
-    keeps (its own ``compression_ratio``; :mod:`~spark_bench.methods.eviction.kvpress_scorer`), then
-    ``channel`` (``spark`` by default; ``ratio=0`` or unset: none) prunes their key channels."""
-    from spark_bench.methods.eviction.kvpress_scorer import PREFIX, KvpressEviction, _kvpress
+def _reference_ids(reference, tokenizer, model) -> list[int]:
+    if isinstance(reference, str):
+        if tokenizer is None:
+            raise ValueError("reference: a text reference needs tokenizer=")
+        ids = list(tokenizer(reference, add_special_tokens=False)["input_ids"])
+    elif isinstance(reference, torch.Tensor):
+        ids = reference.reshape(-1).tolist()
+    else:
+        try:
+            ids = [int(i) for i in reference]
+        except (TypeError, ValueError):
+            raise ValueError(f"reference: text or token ids, got {type(reference).__name__}") from None
+    if not ids:
+        raise ValueError("reference: expected at least one token")
+    check_vocabulary(ids, model, "reference")
+    return ids
 
-    if not isinstance(press, _kvpress().presses.base_press.BasePress):
-        raise ValueError(f"name: a method name (str) or a kvpress press, got {type(press).__name__}")
-    channel = options.pop("channel", "spark")
-    if channel not in ("spark", "think"):
-        raise ValueError(f"channel must be one of spark, think; got {channel!r}")
-    pruned = bool(options.get("ratio")) or options.get("variant", "fixed") != "fixed"
-    config = method(channel if pruned else "full", protocol, compress_scope="prompt", **{"ratio": 0.0, **options})
-    label = PREFIX + type(press).__name__.removesuffix("Press") + (f"+{config.label}" if pruned else "")
-    kept = 1 - float(getattr(press, "compression_ratio", None) or 0.0)
-    return replace(Pipeline.from_config(config), eviction=KvpressEviction(press), label=f"{label} @{kept:g}")
+
+@torch.no_grad()
+def answer_nll(model: torch.nn.Module, context: CompressedContext, reference, input_ids=None, tokenizer=None,
+               stack: bool = True) -> float:
+    """The mean negative log-likelihood per token (nats) of ``reference`` (text with ``tokenizer``, or token ids)
+    as the continuation of ``context``, teacher-forced through its compressed cache — the harness's ``answer_nll``
+    (:mod:`spark_bench.engine.fidelity`): the first token from the logits generation takes it from, the rest through
+    the same compressed-cache attention as decoding. ``input_ids``: as for :func:`generate` (what runs through the
+    cache before the answer, e.g. a question over a compressed context; default: the context's own prompt)."""
+    if not isinstance(context, CompressedContext):
+        raise ValueError("context: answer_nll takes a CompressedContext (spark_bench.compress)")
+    check_contexts(model, [context])
+    ids = _reference_ids(reference, tokenizer, model)
+    prompt_ids = list(context.input_ids) if input_ids is None else _as_prompt(input_ids).ids
+    if prompt_ids[:context.end] != list(context.input_ids[:context.end]) or len(prompt_ids) < context.end:
+        raise ValueError(f"input_ids must begin with the {context.end} tokens the context compressed")
+    suffix = tuple(prompt_ids[context.end:])
+    if not suffix and context.first_logits is None:
+        raise ValueError("nothing follows the compressed tokens and no prefill logits were kept for them")
+    row = ForcedRow(context.cache, context.first_logits if not suffix else None, context.end, suffix, ids[:-1])
+    return mean_nll(forced_log_probs(model, [row], stack)[0], ids)
+
+
+def generate(model: torch.nn.Module, contexts, input_ids=None, stack: bool = True, reference=None,
+             tokenizer=None, **generate_kwargs):
+    """:func:`spark_bench.engine.generate.generate` (``model.generate`` continued from compressed contexts; its
+    docstring says all); with ``reference`` (text with ``tokenizer``, or token ids) also each context's
+    :func:`answer_nll` of it: returns ``(output, nll)``, ``nll`` a float for one context, else a list."""
+    out = _generate(model, contexts, input_ids, stack, **generate_kwargs)
+    if reference is None:
+        return out
+    many = not isinstance(contexts, CompressedContext)
+    nll = [answer_nll(model, c, reference, input_ids, tokenizer, stack) for c in (contexts if many else [contexts])]
+    return out, (nll if many else nll[0])
 
 
 def ask(model: torch.nn.Module, context, questions: list, config: MethodConfig | None = None, tokenizer=None,
         answer_prefix: str = "", chat_template: bool | str = True, separator: str = "\n",
-        return_context: bool = False, **generate_kwargs):
+        return_context: bool = False, references: list | None = None, **generate_kwargs):
     """Compress ``context`` once and answer each question over it (kvpress's question-answering pipeline): each
     question (with the end of turn, the assistant header and ``answer_prefix``) runs through the compressed cache,
     which stays as it is for the next one. The same tokens as compressing each question's whole prompt under
@@ -193,8 +229,9 @@ def ask(model: torch.nn.Module, context, questions: list, config: MethodConfig |
     text questions work again; or from :func:`compress` over token ids, then questions are token ids).
     ``questions``: strings with text, else token id sequences that follow the context's ids directly. The answers
     are the new token ids, decoded when a ``tokenizer`` is given. ``return_context``: also return the compressed
-    context, ``(answers, context)``, so a second round of questions costs no prefill. ``generate_kwargs`` go to
-    ``model.generate``."""
+    context, ``(answers, context)``, so a second round of questions costs no prefill. ``references``: one reference
+    answer per question (text with ``tokenizer``, or token ids): each answer comes back as ``(answer, nll)``, ``nll``
+    the reference's :func:`answer_nll` after that question. ``generate_kwargs`` go to ``model.generate``."""
     if isinstance(questions, (str, bytes)) or not isinstance(questions, (list, tuple)) or not questions:
         raise ValueError("questions: ask takes a non-empty list of questions")
     texts = [q for q in questions if isinstance(q, str)]
@@ -202,6 +239,9 @@ def ask(model: torch.nn.Module, context, questions: list, config: MethodConfig |
         raise ValueError("questions: all text or all token ids, not both")
     if texts and tokenizer is None:
         raise ValueError("tokenizer: text questions need tokenizer=")
+    if references is not None and (not isinstance(references, (list, tuple)) or len(references) != len(questions)):
+        raise ValueError(f"references: one reference answer per question ({len(questions)}), got "
+                         f"{len(references) if isinstance(references, (list, tuple)) else type(references).__name__}")
     if isinstance(context, CompressedContext):
         if context.end != len(context.input_ids):
             raise ValueError("context: ask over a compressed context needs it compressed whole (compress the context "
@@ -233,11 +273,14 @@ def ask(model: torch.nn.Module, context, questions: list, config: MethodConfig |
         compressed = compress(model, head, replace(config, compress_scope="context"))
         compressed.source = source
     answers = []
-    for ids in full:
-        out = generate(model, compressed, input_ids=ids, **generate_kwargs)
+    for k, ids in enumerate(full):
+        out = _generate(model, compressed, input_ids=ids, **generate_kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         new = sequences[0, len(ids):].tolist()
-        answers.append(tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else new)
+        answer = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else new
+        if references is not None:
+            answer = (answer, answer_nll(model, compressed, references[k], ids, tokenizer))
+        answers.append(answer)
     return (answers, compressed) if return_context else answers
 
 

@@ -16,13 +16,15 @@ from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.metrics import score
 from spark_bench.engine.clock import mapped_large_blocks, peak_memory, reset_peak, return_freed_memory
 from spark_bench.engine.decode import DecodeRow, decode_rows
+from spark_bench.engine.fidelity import Fidelity, ForcedRow, measure
+from spark_bench.benchmarks.reference import reference_ids
 from spark_bench.engine.prefill import Prefill
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.pipeline import sweep_labels
 from spark_bench.models import LoadedModel
 from spark_bench.results import TIMING_FIELDS, ResultsDir, read_complete_lines
 from spark_bench.logs import Progress
-from spark_bench.tables import render_markdown, summarize
+from spark_bench.tables import NO_FULL, render_markdown, summarize, with_fidelity
 
 LOG = logging.getLogger(__name__)
 
@@ -42,6 +44,10 @@ class Prediction:
     kv_bytes_full: int
     key_ratio: float  # achieved key pruning ratio over the stored tokens (paper's "Overall Ratio")
     length: int | None  # the record's own length (LongBench words: LongBench-E's 0-4k / 4-8k / 8k+), else None
+    answer_nll: float | None  # mean NLL per token of the reference answer through this config's cache (fidelity.py)
+    kl_full: float | None     # mean KL(full ‖ this config) along the full cache's greedy continuation
+    agree_full: float | None  # fraction of those positions whose most likely token is the full cache's
+    kl_tokens: int            # the positions kl_full / agree_full average over (≤ fidelity.KL_TOKENS)
     prefill_s: float
     compress_s: float
     decode_s: float  # this config's share of the batched decode forwards (wall time / rows in the batch, per step)
@@ -67,24 +73,44 @@ def _build_row(lm: LoadedModel, sample: Sample, pipeline: Pipeline, prefill: Pre
     return row, (context.compress_s, context.kv_bytes, context.key_ratio)
 
 
+def _fidelity(lm: LoadedModel, sample: Sample, rows: list[DecodeRow], pipelines: list[Pipeline],
+              full_tokens: list[int] | None, stack: bool) -> list[Fidelity]:
+    """The sample's three fidelity numbers per row (:mod:`spark_bench.engine.fidelity`), every config of the sweep
+    in one teacher-forced pass (so a row's numbers do not depend on which rows were decoded in this process)."""
+    full = next((k for k, p in enumerate(pipelines) if p.config.name == "full"), None)
+    greedy = full_tokens if full_tokens is not None else rows[full].tokens if full is not None else []
+    forced = [ForcedRow(r.cache, r.first_logits, r.position, tuple(r.suffix), []) for r in rows]
+    return measure(lm.model, forced, reference_ids(sample, lm.tokenizer), full, greedy, stack)
+
+
 def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                 decode_batch: int | None = None, decode_stack: bool = True,
-                decode_graph: bool = True) -> list[list[Prediction]]:
+                decode_graph: bool = True, sweep: list[Pipeline] | None = None,
+                full_tokens: dict | None = None) -> list[list[Prediction]]:
     """Prefill each sample once, compress it under each of its pipelines and decode all the compressed caches
     together — ``decode_batch`` rows per batch (None: every row of ``work`` in one batch; 1: one at a time) — then
-    score. One list of predictions per sample, in pipeline order; the tokens do not depend on the batching.
+    score, and measure each row's fidelity (``answer_nll``, ``kl_full``, ``agree_full``) in one teacher-forced pass
+    over the sample's caches. One list of predictions per sample, in pipeline order; the tokens do not depend on the
+    batching.
 
     A sample is prefilled when its first row is built and its prefill is dropped once its last row is built, so
     joining several samples in one batch holds their compressed caches, not their prefills (a ``full`` row's cache
-    is the prefill's own keys and values). Once a batch is formed its stacks hold what decoding reads, and the rows'
-    own caches are dropped (``decode_rows(release=True)``). ``decode_stack``: stack rows of the kinds a compact
-    kernel serves (:class:`~spark_bench.engine.cache.BatchedLayer`); the tokens do not depend on it."""
+    is the prefill's own keys and values). A sample's caches are kept until its fidelity pass, after its last row
+    has decoded (decoding reads them through its stacks, :class:`~spark_bench.engine.cache.BatchedLayer`).
+    ``decode_stack``: stack rows of the kinds a compact kernel serves; the tokens do not depend on it.
+
+    ``sweep``: every pipeline of the sweep (default: each sample's own); the fidelity pass runs all of them, so a
+    sample resumed with some configs already done (``repair``) gets the numbers of a whole run: the done configs are
+    compressed again (not decoded) and ``full_tokens`` (sample id → the done full row's tokens) gives the full
+    cache's continuation."""
     plan = [(i, pipeline) for i, (_, pipelines) in enumerate(work) for pipeline in pipelines]
     last = {i: k for k, (i, _) in enumerate(plan)}  # the plan index of each sample's last row
     size = decode_batch or len(plan)
     prefills: dict[int, Prefill] = {}  # sample index → its prefill, while some of its rows are still to be built
     selections: dict = {}  # sample index → {compressed prefix: token selections shared by its configs}
     facts: dict = {}       # sample index → (prompt length, dense KV bytes, prefill seconds)
+    held: dict = {}        # sample index → {pipeline label: row}, until its fidelity pass
+    done_rows: dict = {}   # sample index → [(pipeline, measured, row, peak)] decoded so far
     out: list[list[Prediction]] = [[] for _ in work]
     for first in range(0, len(plan), size):
         chunk = plan[first:first + size]
@@ -92,27 +118,50 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
         reset_peak(lm.devices)
         with mapped_large_blocks():  # CPU: large temporaries go back to the system when freed (clock.py)
             for k, (i, pipeline) in enumerate(chunk, first):
+                sample = work[i][0]
                 if i not in prefills:
-                    prefills[i] = _prefill(lm, work[i][0], work[i][1])
+                    prefills[i] = _prefill(lm, sample, sweep or work[i][1])
                     facts[i] = (prefills[i].prompt_length, prefills[i].dense_kv_bytes(), prefills[i].seconds)
-                row, measured = _build_row(lm, work[i][0], pipeline, prefills[i], selections.setdefault(i, {}))
+                    todo = {p.label for p in work[i][1]}
+                    held[i] = {p.label: _build_row(lm, sample, p, prefills[i], selections.setdefault(i, {}))[0]
+                               for p in sweep or [] if p.label not in todo}  # done configs: for the pass only
+                row, measured = _build_row(lm, sample, pipeline, prefills[i], selections.setdefault(i, {}))
                 rows.append(row)
                 built.append(measured)
+                held[i][pipeline.label] = row
                 if k == last[i]:
                     del prefills[i], selections[i]
         return_freed_memory()  # what compression freed, before decoding allocates its tail
-        decode_rows(lm.model, rows, stack=decode_stack, release=True, graph=decode_graph)
+        decode_rows(lm.model, rows, stack=decode_stack, release=False, graph=decode_graph)
         peak = peak_memory(lm.devices)
-        for (i, pipeline), (compress_s, kv_bytes, key_ratio), row in zip(chunk, built, rows):
-            sample, (length, dense_bytes, prefill_s) = work[i][0], facts[i]
-            text = lm.tokenizer.decode(row.tokens, skip_special_tokens=True)
-            out[i].append(Prediction(
-                config=pipeline.label, method=pipeline.config.to_dict(), task=sample.task, id=sample.id,
-                prompt_length=length, prediction=text, tokens=row.tokens, answers=list(sample.answers),
-                score=score(sample.metric, text, sample.answers, **sample.metric_args), kv_bytes=kv_bytes,
-                kv_bytes_full=dense_bytes, key_ratio=key_ratio, length=sample.meta.get("length"),
-                prefill_s=prefill_s, compress_s=compress_s, decode_s=row.forward_s, peak_mem_bytes=peak))
+        for k, ((i, pipeline), measured, row) in enumerate(zip(chunk, built, rows), first):
+            done_rows.setdefault(i, []).append((pipeline, measured, row, peak))
+            if k != last[i]:
+                continue
+            sample, (length, dense_bytes, prefill_s) = work[i][0], facts.pop(i)
+            everyone = sweep or work[i][1]
+            fidelity = dict(zip([p.label for p in everyone], _fidelity(
+                lm, sample, [held[i][p.label] for p in everyone], everyone,
+                (full_tokens or {}).get(sample.id), decode_stack)))
+            del held[i]
+            for pipeline, (compress_s, kv_bytes, key_ratio), row, peak in done_rows.pop(i):
+                text = lm.tokenizer.decode(row.tokens, skip_special_tokens=True)
+                f = fidelity[pipeline.label]
+                out[i].append(Prediction(
+                    config=pipeline.label, method=pipeline.config.to_dict(), task=sample.task, id=sample.id,
+                    prompt_length=length, prediction=text, tokens=row.tokens, answers=list(sample.answers),
+                    score=score(sample.metric, text, sample.answers, **sample.metric_args), kv_bytes=kv_bytes,
+                    kv_bytes_full=dense_bytes, key_ratio=key_ratio, length=sample.meta.get("length"),
+                    answer_nll=_stored(f.answer_nll), kl_full=_stored(f.kl_full), agree_full=_stored(f.agree_full),
+                    kl_tokens=f.kl_tokens, prefill_s=prefill_s, compress_s=compress_s, decode_s=row.forward_s,
+                    peak_mem_bytes=peak))
+                row.cache = None
     return out
+
+
+def _stored(value: float | None) -> float | None:
+    """A fidelity number as stored: 6 decimals (far below any difference a report reads), None when undefined."""
+    return None if value is None else round(value, 6)
 
 
 def default_payload(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig]) -> dict:
@@ -153,8 +202,13 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
     work = [(s, todo) for s, todo in work if todo]
     bar = Progress(len(samples), out_dir.name, initial=len(samples) - len(work), logger=LOG, enabled=progress)
     new_tokens, decode_seconds = 0, 0.0
+    full = next((p.label for p in pipelines if p.config.name == "full"), None)
+    if full is None:
+        LOG.warning(NO_FULL)
+    full_tokens = {s.id: done[s.id, full]["tokens"] for s, _ in work if (s.id, full) in done}
     for group in (work[i:i + decode_samples] for i in range(0, len(work), decode_samples)):
-        for sample_records in run_samples(lm, group, decode_batch, decode_stack, decode_graph):
+        for sample_records in run_samples(lm, group, decode_batch, decode_stack, decode_graph, pipelines,
+                                          full_tokens):
             records = [p.__dict__ for p in sample_records]
             results.append(records)  # one durable append per sample
             for r in records:
@@ -172,9 +226,11 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
     tasks = list(dict.fromkeys(s.task for s in samples))
     scores = summarize(predictions, labels, tasks)
     results.finalize(ordered, {"scores.csv": scores.to_csv(index=False),
-                               "table.md": render_markdown(scores, labels, tasks)})
-    for label, group in predictions.groupby("config", sort=False):
+                               "table.md": render_markdown(scores, labels, tasks, predictions)})
+    for label, group in with_fidelity(predictions).groupby("config", sort=False):
         rate = group.tokens.map(len).sum() / max(group.decode_s.sum(), 1e-9)
         kv = 100 * (group.kv_bytes / group.kv_bytes_full).mean()
-        LOG.info(f"{label}: score {group.score.mean():.2f}, KV {kv:.1f}%, decode {rate:.1f} tok/s")
+        kl = "" if full is None else f", KL to full {group.kl_full.mean():.3f}"
+        LOG.info(f"{label}: score {group.score.mean():.2f}, answer NLL {group.answer_nll.mean():.3f}"
+                 f"{kl}, KV {kv:.1f}%, decode {rate:.1f} tok/s")
     return predictions

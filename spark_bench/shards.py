@@ -44,5 +44,5 @@ def merge_shards(directory: Path) -> int:
     scores = summarize(frame, labels, tasks)
     atomic_write(directory / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ordered))
     atomic_write(directory / "scores.csv", scores.to_csv(index=False))
-    atomic_write(directory / "table.md", render_markdown(scores, labels, tasks))
+    atomic_write(directory / "table.md", render_markdown(scores, labels, tasks, frame))
     return len(shards)

@@ -99,7 +99,7 @@ def test_our_runs_render_with_the_paper_beside(run_dir, tmp_path):
     out = run_dir
     frame = read_runs([out], RULER)
     md = to_markdown(frame, RULER)
-    assert "| Method | Niah1 | MKey2 | Avg. | KV % | Key ratio |" in md
+    assert "| Method | Niah1 | MKey2 | Avg. | NLL | KL full | Agree | KV % | Key ratio |" in md
     assert "| **KV-size 64** |" in md and "| +SparK (0.8) [none] |" in md
     paper = frame.assign(value=frame.value - 1.0)  # a fake "paper" one point lower everywhere
     side = to_markdown(frame, RULER, paper)
@@ -169,7 +169,9 @@ def test_report_with_intervals_paired_deltas_and_claims(run_dir, tmp_path):
     assert spark.base == "SnapKV" and spark.wins + spark.ties + spark.losses == 2
     assert set(paired[paired.method == "SnapKV"].base) == {"Vanilla"}
     claims = pd.read_csv(tmp_path / "rep" / "claims.csv")
-    assert len(claims) == 5 and set(claims.verdict) == {"too few samples (n=1 per task, need 20)"}  # 1 per task
+    assert len(claims) == 8 and set(claims.verdict) == {"too few samples (n=1 per task, need 20)"}  # 1 per task
+    assert set(paired.metric) == {"score", "answer_nll", "kl_full", "agree_full"}  # the run has a full config
+    assert {"NLL", "KL full", "Agree"} <= set(csv.column) and "Paired" not in md
     assert r"$\pm$" in (tmp_path / "rep" / "table.tex").read_text()
 
 

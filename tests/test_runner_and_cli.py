@@ -42,8 +42,8 @@ def test_sweep_writes_predictions_scores_and_table(sweep_run, samples):
     scores = pd.read_csv(out / "scores.csv")
     assert len(scores) == len(SWEEP) * 2
     table = (out / "table.md").read_text().splitlines()
-    assert table[0] == ("| Method | niah_single_1 | niah_multikey_2 | Avg | KV % | Key ratio | KV MiB | Prefill s | "
-                        "Compress s | Decode tok/s | Peak MiB |")
+    assert table[0] == ("| Method | niah_single_1 | niah_multikey_2 | Avg | NLL | KL full | Agree | KV % | Key ratio | "
+                        "KV MiB | Prefill s | Compress s | Decode tok/s | Peak MiB |")
     assert [row.split(" | ")[0].lstrip("| ") for row in table[2:2 + len(SWEEP)]] == [c.label for c in SWEEP]
     # the cost beside the scores: positive, the bytes the predictions' own, the tokens over the decode seconds
     frame = pd.DataFrame(lines).merge(pd.DataFrame(timings), on=["id", "config"])

@@ -4,6 +4,7 @@ LaTeX, optionally beside the paper's numbers; plus the Fig. 5 plots.
     spark-bench-report results/table1 --layout longbench --paper tab_main --out out/
     spark-bench-report paper:tab_main --layout longbench              # the paper's own table (shipped CSVs)
     spark-bench-report results/paper_shape --layout ruler --ci --claims --out out/   # intervals, Δ, claims
+    spark-bench-report results/demo --layout ruler --metric kl_full --ci             # KL to the full cache per task
     spark-bench-report --paper tab_main --check                       # does the paper table resolve?
 """
 
@@ -29,12 +30,28 @@ LOG = logging.getLogger(__name__)
 FORMATS = {"md": to_markdown, "csv": to_csv, "tex": to_latex}
 
 
+METRICS = ("score", "answer_nll", "kl_full", "agree_full")
+
+
 def build(inputs: list[str], layout: Layout, ci: bool = False, resamples: int = stats.RESAMPLES,
-          seed: int = stats.SEED) -> pd.DataFrame:
+          seed: int = stats.SEED, metric: str = "score") -> pd.DataFrame:
     """Runs (directories) and paper tables (``paper:<csv>``) in one long frame; ``ci``: runs' cells with their
-    bootstrap intervals (:func:`~spark_bench.report.compare.interval_frame`)."""
+    bootstrap intervals (:func:`~spark_bench.report.compare.interval_frame`); ``metric``: the per-sample number in
+    the task cells (``score``, or a fidelity number of :mod:`spark_bench.engine.fidelity`: runs only)."""
     frames = [read_paper_csv(i[len("paper:"):]) for i in inputs if i.startswith("paper:")]
     runs = [i for i in inputs if not i.startswith("paper:")]
+    if metric != "score":
+        if frames or not runs or layout.name not in ("ruler", "longbench"):
+            raise ValueError(f"--metric {metric}: the paper reports scores only; give results directories and the "
+                             "ruler or longbench layout")
+        from spark_bench.report.compare import interval_frame
+
+        samples = read_sample_scores(runs, layout)
+        if samples[metric].isna().all():
+            raise ValueError(f"--metric {metric}: not measured in {', '.join(runs)} (runs before spark-bench "
+                             "measured it, or kl_full / agree_full without a full config in the sweep)")
+        frame = interval_frame(samples, layout, resamples, seed, value=metric)
+        return frame if ci else frame.assign(low=float("nan"), high=float("nan"))
     if runs and layout.name == "longbench_e":
         from spark_bench.report.compare import length_frame
 
@@ -60,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ci", action="store_true",
                         help="cells as mean ± 95%% bootstrap half-width, plus each row's paired Δ against its base")
     parser.add_argument("--claims", action="store_true", help="check the paper's claims on the runs (verdicts)")
+    parser.add_argument("--metric", choices=METRICS, default="score",
+                        help="the per-sample number in the task cells: the task score, or how far each cache moves "
+                             "the model (answer_nll, kl_full, agree_full; runs only)")
     parser.add_argument("--resamples", type=int, default=stats.RESAMPLES, help="bootstrap resamples (1000)")
     parser.add_argument("--seed", type=int, default=stats.SEED, help="bootstrap seed (0)")
     parser.add_argument("--out", type=Path, help="directory for table.md / table.csv / table.tex (and figures)")
@@ -82,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.inputs:
             raise ValueError("no inputs: give results directories and/or paper:<table>")
         layout = LAYOUTS[args.layout]
-        frame = build(args.inputs, layout, args.ci, args.resamples, args.seed)
+        frame = build(args.inputs, layout, args.ci, args.resamples, args.seed, args.metric)
         paper = read_paper_csv(args.paper) if args.paper else None
         if paper is not None and layout.name in ("dist", "variants"):  # ablation rows carry no base-method group
             paper = paper.assign(group="")
@@ -143,9 +163,11 @@ def main(argv: list[str] | None = None) -> None:
         for name, text in outputs.items():
             (args.out / name).write_text(text, encoding="utf-8")
         if args.figures:
-            from spark_bench.report.figures import figure_bytes, figure_ratio, figure_throughput
+            from spark_bench.report.figures import figure_bytes, figure_kl_bytes, figure_ratio, figure_throughput
 
             figure_ratio(predictions, args.out / "fig5a_score_vs_ratio.png")
             figure_bytes(predictions, args.out / "fig5c_score_vs_bytes.png")
             figure_throughput(predictions, args.out / "fig_score_vs_throughput.png")
+            if "kl_full" in predictions and pd.to_numeric(predictions.kl_full, errors="coerce").notna().any():
+                figure_kl_bytes(predictions, args.out / "fig_kl_vs_bytes.png")
         LOG.info(f"wrote {', '.join(sorted(outputs))} to {args.out}")

@@ -11,6 +11,14 @@ is on the claimed side of the threshold), ``fails`` (wholly on the other side) o
 5. SparK(0.8) holds ≥ 30% fewer KV bytes than its base: mean bytes ratio ≤ 0.70 (measured bytes, metadata
    included).
 
+The same claims read on the fidelity numbers (:mod:`spark_bench.engine.fidelity`; far less noisy per sample than a
+0/100 score, so they decide at sample counts where the score cannot; they say how far the cache moves the model,
+the score whether the task still gets solved):
+
+6. SparK(0.8) moves the distribution less than ThinK(0.8): Δ ``kl_full`` < 0 (the low-noise reading of 3).
+7. SparK(0.8) keeps ≥ 95% of its base's agreement with the full cache: ``agree_full`` ratio ≥ 0.95 (of 2).
+8. SparK(0.8) keeps the reference answer likelier than ThinK(0.8): Δ ``answer_nll`` < 0 (of 3, on the answer).
+
 A verdict is ``holds`` / ``fails`` only when every task involved has at least :data:`MIN_PAIRED` paired samples;
 otherwise it reads ``too few samples (n=…)``. Twenty because a percentile bootstrap of a mean covers well below its
 nominal 95% on fewer pairs (with 2 pairs an interval has at most 3 distinct values and is often zero-width), and
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from spark_bench.report import stats
@@ -41,6 +50,7 @@ class Claim:
     threshold: float
     above: bool
     strict: bool = False
+    value: str = "score"  # the per-sample number compared: score | answer_nll | kl_full | agree_full
 
 
 CLAIMS = (
@@ -50,6 +60,12 @@ CLAIMS = (
     Claim("recovered SparK(0.8) above unrecovered (recovery=none)", "SparK (0.8)", "SparK (0.8) [none]", "delta",
           0.0, above=True, strict=True),
     Claim("SparK(0.8) KV bytes >= 30% below its base", "SparK (0.8)", "base", "bytes", 0.70, above=False),
+    Claim("SparK(0.8) moves the distribution less than ThinK(0.8) (KL to full)", "SparK (0.8)", "ThinK (0.8)",
+          "delta", 0.0, above=False, strict=True, value="kl_full"),
+    Claim("SparK(0.8) keeps >= 95% of its base's agreement with full", "SparK (0.8)", "base", "ratio", 0.95,
+          above=True, value="agree_full"),
+    Claim("SparK(0.8) answer NLL below ThinK(0.8)", "SparK (0.8)", "ThinK (0.8)", "delta", 0.0, above=False,
+          strict=True, value="answer_nll"),
 )
 
 
@@ -76,10 +92,10 @@ def check(samples: pd.DataFrame, layout: Layout, resamples: int = stats.RESAMPLE
             other = base if claim.other == "base" else _row(block, group, claim.other, present)
             if row is None or other is None or other not in present:
                 continue
-            value = "kv_bytes" if claim.statistic == "bytes" else "score"
+            value = "kv_bytes" if claim.statistic == "bytes" else claim.value
             xs, ys = aligned(samples, row, other, columns, value)
-            if not xs:
-                continue
+            if not xs or any(np.isnan(x).any() or np.isnan(y).any() for x, y in zip(xs, ys)):
+                continue  # a fidelity number not measured (a run before it, or kl_full without a full config)
             fewest = min(len(x) for x in xs)  # paired samples of the task with the fewest
             if claim.statistic == "bytes":
                 ratios = [x / y for x, y in zip(xs, ys)]

@@ -4,7 +4,8 @@
   read (extra columns ``n``, ``low``, ``high``), ``Avg.`` included.
 * :func:`paired_frame`: every row against its base row — the same eviction method at the same budget for a
   ``+ThinK`` / ``+SparK`` row, the full cache (``Vanilla``) for an eviction row or a channel method on the full
-  cache — as Δ (paired bootstrap interval) and wins / ties / losses over the shared samples.
+  cache — and every SparK (λ) row against ThinK (λ), as Δ (paired bootstrap interval) and wins / ties / losses over
+  the shared samples, on the score and on each fidelity number (``answer_nll``, ``kl_full``, ``agree_full``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pandas as pd
 
 from spark_bench.report import stats
 from spark_bench.report.layouts import LENGTH_BUCKETS, Layout, length_bucket
+from spark_bench.tables import FIDELITY_COLUMNS
 
 Row = tuple[str, str, str]
 VANILLA: Row = ("", "Vanilla", "Vanilla")
@@ -30,28 +32,44 @@ def columns_of(samples: pd.DataFrame, layout: Layout) -> list[str]:
 
 def per_task(samples: pd.DataFrame, row: Row, columns: list[str], value: str = "score") -> dict[str, pd.Series]:
     """The row's values per column, indexed by sample id (sorted, so two rows align by id)."""
+    if value not in samples:  # a fidelity number of a frame that does not carry it
+        return {}
     mine = samples[(samples.block == row[0]) & (samples.group == row[1]) & (samples.method == row[2])]
     return {c: mine[mine.column == c].set_index("id")[value].sort_index().astype(float)
             for c in columns if (mine.column == c).any()}
 
 
 def interval_frame(samples: pd.DataFrame, layout: Layout, resamples: int = stats.RESAMPLES,
-                   seed: int = stats.SEED) -> pd.DataFrame:
-    """Long format (``block, group, method, column, value, n, low, high``): each task cell, ``Avg.`` (mean over the
-    row's tasks, stratified bootstrap), ``KV %`` (mean bytes held over the full cache) and ``Key ratio``."""
+                   seed: int = stats.SEED, value: str = "score") -> pd.DataFrame:
+    """Long format (``block, group, method, column, value, n, low, high``): each task cell of ``value`` (``score``
+    or a fidelity number: ``answer_nll``, ``kl_full``, ``agree_full``), ``Avg.`` (mean over the row's tasks,
+    stratified bootstrap), the fidelity columns (``NLL``, ``KL full``, ``Agree``: means over tasks with their
+    stratified intervals, where measured), ``KV %`` (mean bytes held over the full cache) and ``Key ratio``."""
     columns, out = columns_of(samples, layout), []
     for row in rows_of(samples):
-        tasks = per_task(samples, row, columns)
-        cells, average = stats.mean_intervals([s.to_numpy() for s in tasks.values()], resamples, seed)
-        for column, cell in zip(tasks, cells):
-            out.append((*row, column, cell.estimate, cell.n, cell.low, cell.high))
-        if layout.average:
-            out.append((*row, "Avg.", average.estimate, average.n, average.low, average.high))
+        tasks = measured(per_task(samples, row, columns, value))
+        if tasks:
+            cells, average = stats.mean_intervals([s.to_numpy() for s in tasks.values()], resamples, seed)
+            for column, cell in zip(tasks, cells):
+                out.append((*row, column, cell.estimate, cell.n, cell.low, cell.high))
+            if layout.average:
+                out.append((*row, "Avg.", average.estimate, average.n, average.low, average.high))
+        for field, name in FIDELITY_COLUMNS.items():
+            found = measured(per_task(samples, row, columns, field))
+            if found:
+                _, mean = stats.mean_intervals([s.to_numpy() for s in found.values()], resamples, seed)
+                out.append((*row, name, mean.estimate, mean.n, mean.low, mean.high))
         mine = samples[(samples.block == row[0]) & (samples.group == row[1]) & (samples.method == row[2])]
         out.append((*row, "KV %", 100 * float((mine.kv_bytes / mine.kv_bytes_full).mean()), len(mine),
                     float("nan"), float("nan")))
         out.append((*row, "Key ratio", float(mine.key_ratio.mean()), len(mine), float("nan"), float("nan")))
     return pd.DataFrame(out, columns=["block", "group", "method", "column", "value", "n", "low", "high"])
+
+
+def measured(tasks: dict[str, pd.Series]) -> dict[str, pd.Series]:
+    """The tasks whose values were all measured (a fidelity number is NaN in runs made before it, and ``kl_full``
+    / ``agree_full`` in runs without a full config)."""
+    return {c: v for c, v in tasks.items() if len(v) and v.notna().all()}
 
 
 def _tags(label: str) -> set[str]:
@@ -93,33 +111,68 @@ def aligned(samples: pd.DataFrame, row: Row, other: Row, columns: list[str],
     return xs, ys
 
 
+def think_of(row: Row, present: set[Row]) -> Row | None:
+    """A ``SparK (λ)`` row's ``ThinK (λ)`` at the same eviction method, budget and options (the paper's equal-λ
+    comparison), or None."""
+    block, group, method = row
+    bare = _bare(method)
+    if not bare.lstrip("+").startswith("SparK (") or "[" in bare:
+        return None
+    other = method.replace("SparK (", "ThinK (", 1)
+    return (block, group, other) if (block, group, other) in present else None
+
+
+METRICS = {"score": "Score", "answer_nll": "NLL", "kl_full": "KL full", "agree_full": "Agree"}
+
+
 def paired_frame(samples: pd.DataFrame, layout: Layout, resamples: int = stats.RESAMPLES,
-                 seed: int = stats.SEED) -> pd.DataFrame:
-    """One line per row that has a base row: Δ of ``Avg.`` with its paired interval, and wins / ties / losses."""
+                 seed: int = stats.SEED, values: tuple[str, ...] = tuple(METRICS)) -> pd.DataFrame:
+    """One line per (row, its base, metric): every row against its base row (:func:`base_of`), and every SparK (λ)
+    row against ThinK (λ) (:func:`think_of`), on each of ``values`` measured in both — Δ of the mean over tasks
+    (row − base) with its paired interval, and wins / ties / losses (for NLL and KL lower is better: a win is the
+    row's larger value, as for the score; read Δ's sign)."""
     columns, rows = columns_of(samples, layout), rows_of(samples)
     out = []
-    for row in rows:
-        base = base_of(row, set(rows))
-        if base is None:
-            continue
-        xs, ys = aligned(samples, row, base, columns)
-        if not xs:
-            continue
-        p = stats.paired(xs, ys, resamples, seed)
-        out.append({"block": row[0], "group": row[1], "method": row[2], "base": base[2], "n": p.delta.n,
-                    "delta": p.delta.estimate, "low": p.delta.low, "high": p.delta.high,
-                    "wins": p.wins, "ties": p.ties, "losses": p.losses})
-    return pd.DataFrame(out, columns=["block", "group", "method", "base", "n", "delta", "low", "high", "wins",
-                                      "ties", "losses"])
+    for value in values:
+        for row in rows:
+            for base in (base_of(row, set(rows)), think_of(row, set(rows))):
+                if base is None:
+                    continue
+                xs, ys = aligned(samples, row, base, columns, value)
+                keep = [k for k, (x, y) in enumerate(zip(xs, ys)) if not (np.isnan(x).any() or np.isnan(y).any())]
+                if not keep:
+                    continue
+                p = stats.paired([xs[k] for k in keep], [ys[k] for k in keep], resamples, seed)
+                out.append({"metric": value, "block": row[0], "group": row[1], "method": row[2], "base": base[2],
+                            "n": p.delta.n, "delta": p.delta.estimate, "low": p.delta.low, "high": p.delta.high,
+                            "wins": p.wins, "ties": p.ties, "losses": p.losses})
+    return pd.DataFrame(out, columns=["metric", "block", "group", "method", "base", "n", "delta", "low", "high",
+                                      "wins", "ties", "losses"])
 
 
 def paired_markdown(paired: pd.DataFrame) -> str:
-    lines = ["| Block | Method | vs | n | Δ Avg. (95% CI) | wins / ties / losses |", "|---|---|---|---|---|---|"]
-    for r in paired.itertuples(index=False):
-        label = r.method if not r.method.startswith("+") else f"{r.group} {r.method}"
-        lines.append(f"| {r.block or '–'} | {label} | {r.base} | {r.n} | {r.delta:+.2f} [{r.low:+.2f}, "
-                     f"{r.high:+.2f}] | {r.wins} / {r.ties} / {r.losses} |")
-    return "\n".join(lines) + "\n"
+    """One table per metric (score first); intervals that exclude 0 in bold."""
+    parts = []
+    for metric, part in paired.groupby("metric", sort=False):
+        digits = 2 if metric == "score" else 3
+        name = METRICS.get(metric, metric)
+        lines = [f"{name} ({'mean over tasks' if metric == 'score' else 'mean over tasks; ' + FIDELITY_SENSE[metric]})"
+                 ":", "", f"| Block | Method | vs | n | Δ {name} (95% CI) | row > base / ties / row < base |",
+                 "|---|---|---|---|---|---|"]
+        for r in part.itertuples(index=False):
+            label = r.method if not r.method.startswith("+") else f"{r.group} {r.method}"
+            cell = f"{r.delta:+.{digits}f} [{r.low:+.{digits}f}, {r.high:+.{digits}f}]"
+            if r.low > 0 or r.high < 0:
+                cell = f"**{cell}**"
+            lines.append(f"| {r.block or '–'} | {label} | {r.base.lstrip('+')} | {r.n} | {cell} | "
+                         f"{r.wins} / {r.ties} / {r.losses} |")
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
+
+
+FIDELITY_SENSE = {"answer_nll": "lower keeps the reference answer likelier",
+                  "kl_full": "lower stays closer to the full cache",
+                  "agree_full": "higher agrees more often with the full cache's next token"}
 
 
 def length_frame(samples: pd.DataFrame, resamples: int = stats.RESAMPLES, seed: int = stats.SEED,

@@ -3,7 +3,8 @@
 * (a) score vs key pruning ratio λ for SparK, ThinK and unrecovered SparK (``recovery=none``), one eviction
   method and budget;
 * (c) score vs measured KV-cache bytes for every config (eviction alone, +ThinK, +SparK);
-* and beside them, score vs measured decode throughput (tokens/s, batched as run) for every config.
+* and beside them, score vs measured decode throughput (tokens/s, batched as run) for every config, and the mean
+  ``kl_full`` (how far each cache moves the model, :mod:`spark_bench.engine.fidelity`) vs KV bytes.
 """
 
 from __future__ import annotations
@@ -52,12 +53,15 @@ def load_predictions(directories) -> pd.DataFrame:
 
 
 def _per_config(preds: pd.DataFrame) -> pd.DataFrame:
+    preds = preds.assign(kl_full=pd.to_numeric(preds.kl_full, errors="coerce") if "kl_full" in preds
+                         else float("nan"))
     task_means = preds.groupby(["config", "task"], sort=False).agg(
-        score=("score", "mean"), name=("name", "first"), ratio=("ratio", "first"), recovery=("recovery", "first"),
+        score=("score", "mean"), kl_full=("kl_full", "mean"), name=("name", "first"), ratio=("ratio", "first"),
+        recovery=("recovery", "first"),
         budget=("budget", "first"), kv_bytes=("kv_bytes", "mean"), new_tokens=("tokens", lambda t: t.map(len).sum()),
         decode_s=("decode_s", "sum"))
     return task_means.groupby("config", sort=False).agg(
-        score=("score", "mean"), name=("name", "first"), ratio=("ratio", "first"), recovery=("recovery", "first"),
+        score=("score", "mean"), kl_full=("kl_full", "mean"), name=("name", "first"), ratio=("ratio", "first"), recovery=("recovery", "first"),
         budget=("budget", "first"), kv_mib=("kv_bytes", lambda b: b.mean() / 2 ** 20),
         new_tokens=("new_tokens", "sum"), decode_s=("decode_s", "sum")).reset_index().assign(
             tok_s=lambda f: f.new_tokens / f.decode_s)
@@ -99,8 +103,9 @@ def family(name: str, recovery) -> str:
     return "full / eviction only"
 
 
-def _scatter(preds: pd.DataFrame, path: Path, x: str, xlabel: str, title: str) -> Path:
-    """Average score against ``x`` per config, every config, one colour per :func:`family`."""
+def _scatter(preds: pd.DataFrame, path: Path, x: str, xlabel: str, title: str, y: str = "score",
+             ylabel: str = "average score") -> Path:
+    """``y`` (the average score) against ``x`` per config, every config, one colour per :func:`family`."""
     plt = pyplot()
     rows = _per_config(preds)
     families = [family(n, r) for n, r in zip(rows.name, rows.recovery)]
@@ -108,9 +113,9 @@ def _scatter(preds: pd.DataFrame, path: Path, x: str, xlabel: str, title: str) -
     for label in FAMILIES:
         part = rows[[f == label for f in families]]
         if len(part):
-            ax.scatter(part[x], part.score, label=label)
+            ax.scatter(part[x], part[y], label=label)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("average score")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
     return save(fig, path)
@@ -124,3 +129,11 @@ def figure_bytes(preds: pd.DataFrame, path: Path) -> Path:
 def figure_throughput(preds: pd.DataFrame, path: Path) -> Path:
     return _scatter(preds, path, "tok_s", "decode throughput (tokens/s per config, batched as run)",
                     "Score vs decode throughput")
+
+
+def figure_kl_bytes(preds: pd.DataFrame, path: Path) -> Path:
+    """How far each cache moves the model against what it holds: mean ``kl_full`` (over tasks) vs KV bytes, every
+    config a point (the full cache at KL 0)."""
+    return _scatter(preds, path, "kv_mib", "KV cache held after compression (MiB, measured)",
+                    "KL to the full cache vs KV-cache bytes", y="kl_full",
+                    ylabel="mean KL(full ‖ config), nats / token")

@@ -16,6 +16,7 @@ from spark_bench.methods.pipeline import DISPLAY, tell_apart
 from spark_bench.report.layouts import Layout
 from spark_bench.report.paper import paper_table
 from spark_bench.results import parse_records, read_manifest
+from spark_bench.tables import FIDELITY, FIDELITY_COLUMNS
 
 COLUMNS = ["block", "group", "method", "column", "value"]
 _LATEX = re.compile(r"^(?:\\[A-Za-z]+(?:\{[^}]*\}|[\d-]+)?\s*)+")
@@ -188,7 +189,8 @@ def completeness(directory, preds: pd.DataFrame | None = None) -> str | None:
 
 
 def read_runs(directories, layout: Layout) -> pd.DataFrame:
-    """Mean score per (config, task) of every run directory, in the long format, plus ``KV %`` and ``Key ratio``;
+    """Mean score per (config, task) of every run directory, in the long format, plus ``KV %``, ``Key ratio`` and,
+    where measured, the fidelity columns ``NLL`` / ``KL full`` / ``Agree`` (means over tasks);
     ``n`` samples per cell, ``partial`` where a stopped run lacks some of the cell's expected samples."""
     if layout.name in ("dist", "variants"):
         return read_ablation(directories, layout.name)
@@ -207,6 +209,11 @@ def read_runs(directories, layout: Layout) -> pd.DataFrame:
             for column, value in (("KV %", 100 * (group.kv_bytes / group.kv_bytes_full).mean()),
                                   ("Key ratio", group.key_ratio.mean())):
                 rows.append((block, base, method, column, value, len(group), short))
+            for field, column in FIDELITY_COLUMNS.items():  # the mean over tasks of each task's mean, as Avg.
+                values = pd.to_numeric(group[field], errors="coerce") if field in group else None
+                if values is not None and values.notna().any():
+                    rows.append((block, base, method, column, values.groupby(group.task).mean().mean(),
+                                 int(values.notna().sum()), short))
     return pd.DataFrame(rows, columns=[*COLUMNS, "n", "partial"])
 
 
@@ -216,7 +223,8 @@ SAMPLE_COLUMNS = ["block", "group", "method", "column", "id", "score", "kv_bytes
 
 def read_sample_scores(directories, layout: Layout) -> pd.DataFrame:
     """One row per (method config, sample) of every run: the rows and columns of the layout, plus the sample id,
-    its score, the KV bytes held and the LongBench length (words; None for RULER). The statistics of
+    its score, the KV bytes held, the LongBench length (words; None for RULER) and the fidelity numbers
+    (``answer_nll``, ``kl_full``, ``agree_full``; NaN where a run did not measure them). The statistics of
     :mod:`spark_bench.report.stats` resample these."""
     frames = []
     for directory in directories:
@@ -226,7 +234,9 @@ def read_sample_scores(directories, layout: Layout) -> pd.DataFrame:
                 "block": block, "group": base, "method": method,
                 "column": group.task.map(lambda t: (layout.task_names or {}).get(t, t)), "id": group.id,
                 "score": group.score, "kv_bytes": group.kv_bytes, "kv_bytes_full": group.kv_bytes_full,
-                "key_ratio": group.key_ratio, "length": group["length"] if "length" in group else None}))
+                "key_ratio": group.key_ratio, "length": group["length"] if "length" in group else None,
+                **{f: pd.to_numeric(group[f], errors="coerce") if f in group else float("nan")
+                   for f in FIDELITY}}))
     if not frames:
         raise ValueError(f"no predictions in {', '.join(map(str, directories))}")
-    return pd.concat(frames, ignore_index=True)[SAMPLE_COLUMNS]
+    return pd.concat(frames, ignore_index=True)[[*SAMPLE_COLUMNS, *FIDELITY]]

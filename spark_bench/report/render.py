@@ -11,7 +11,8 @@ import pandas as pd
 from spark_bench.report.layouts import Layout
 
 AVG = "Avg."
-EXTRA = ("KV %", "Key ratio")
+EXTRA = ("NLL", "KL full", "Agree", "KV %", "Key ratio")  # after Avg., never averaged into it
+DIGITS = {"NLL": 3, "KL full": 3, "Agree": 3}  # fidelity numbers are well below 1 apart
 
 
 def _order_rows(frame: pd.DataFrame) -> list[tuple[str, str, str]]:
@@ -85,8 +86,8 @@ def partial_cells(frame: pd.DataFrame) -> set:
     return set(zip(flagged.block, flagged.group, flagged.method, flagged.column))
 
 
-def _cell(ours, paper, side_by_side: bool, half_width=None, partial: bool = False) -> str:
-    text = _fmt(ours) if half_width is None else f"{_fmt(ours)} ± {_fmt(half_width)}"
+def _cell(ours, paper, side_by_side: bool, half_width=None, partial: bool = False, digits: int = 2) -> str:
+    text = _fmt(ours, digits) if half_width is None else f"{_fmt(ours, digits)} ± {_fmt(half_width, digits)}"
     text += "*" if partial else ""
     if not side_by_side or paper is None or (isinstance(paper, float) and math.isnan(paper)):
         return text
@@ -111,8 +112,8 @@ def to_markdown(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None 
             if block:
                 lines.append(f"| **{block}** |" + " |" * len(columns))
         lines.append(f"| {row[2]} | " + " | ".join(_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None,
-                                                        ci.get((*row, c)), (*row, c) in short) for c in columns)
-                     + " |")
+                                                        ci.get((*row, c)), (*row, c) in short, DIGITS.get(c, 2))
+                                                  for c in columns) + " |")
     notes = []
     if short:
         notes.append("* The run stopped before every sample of these cells was computed (incomplete).")
@@ -176,7 +177,7 @@ def to_latex(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = N
                 name = latex_escape(block)
                 lines.append(rf"\midrule \multicolumn{{{len(columns) + 1}}}{{l}}{{\textit{{{name}}}}} \\")
         values = [latex_escape(_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None, ci.get((*row, c)),
-                                     (*row, c) in short)).replace("±", r"$\pm$") for c in columns]
+                                     (*row, c) in short, DIGITS.get(c, 2))).replace("±", r"$\pm$") for c in columns]
         lines.append(latex_escape(row[2]) + " & " + " & ".join(values) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,144 @@
+"""How far each compressed cache moves the model, measured teacher-forced from the same prefill as its decoding.
+
+Three numbers per sample × method config, beside its task score:
+
+* ``answer_nll``: the mean negative log-likelihood per token of a reference answer (token ids), teacher-forced
+  through the config's compressed cache: ``−(1/m) Σ_k log p(a_k | prompt, a_<k)`` — the perplexity-under-a-compressed
+  -cache measure of StreamingLLM (Xiao et al., 2024, §4.1), per answer instead of per document;
+* ``kl_full``: the mean ``KL(p_full ‖ p_config)`` of the next-token distributions along the full cache's own greedy
+  continuation, teacher-forced through each cache, over its first :data:`KL_TOKENS` positions (fewer when the full
+  cache stopped earlier: the position where it chose its stop token is the last one compared) — the KL-to-the-full-
+  model measure of quantised-cache work (e.g. KIVI, KVQuant);
+* ``agree_full``: the fraction of those positions where the config's most likely token is the full cache's.
+
+The first answer token comes from exactly the logits decoding takes it from: under ``compress_scope=prompt`` the
+full-cache prefill's (every config's first position is then the full cache's, KL 0 there), else the last logits
+of the suffix run through the compressed cache (:mod:`~spark_bench.engine.decode`). Every later position is one
+forward over ``suffix + tokens`` through a :class:`~spark_bench.engine.cache.BatchedCache` of every row — the
+attention decoding runs (stacked rows share one kernel call per layer, the same dense tail, the same merge), only
+with several query tokens per row, causal among themselves. Rows are right-padded to one length; padding comes after
+every position read, so under causal attention it changes nothing that is read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spark_bench.engine.attention import compressed_attention_enabled
+from spark_bench.engine.cache import BatchedCache, CompressedCache
+
+KL_TOKENS = 16  # positions of the full cache's greedy continuation that kl_full / agree_full compare
+
+
+@dataclass
+class ForcedRow:
+    """A continuation to teacher-force: the compressed ``cache``, the logits of its first token (``first_logits``,
+    used when there is no ``suffix``), the position of its next token, the ``suffix`` to run first and the tokens
+    ``fed`` after it. :func:`forced_log_probs` gives ``len(fed) + 1`` distributions: before ``fed[0]``, after each."""
+
+    cache: CompressedCache
+    first_logits: torch.Tensor | None
+    position: int
+    suffix: tuple[int, ...]
+    fed: list[int]
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """One row's three numbers (None where undefined: no reference tokens, no full-cache row); ``kl_tokens``: the
+    positions ``kl_full`` and ``agree_full`` average over."""
+
+    answer_nll: float | None
+    kl_full: float | None
+    agree_full: float | None
+    kl_tokens: int
+
+
+@torch.inference_mode()
+def forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool = True) -> list[torch.Tensor]:
+    """Per row, ``(len(fed) + 1, V)`` float32 log-probabilities of its next token: position 0 the one decoding takes
+    its first token from, position ``k`` after ``fed[:k]``. Rows with equal suffix lengths run as one batch (as
+    decoding groups them), in :meth:`BatchedCache.order`; the caches are read, not consumed."""
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        if not row.suffix and row.first_logits is None:
+            raise ValueError("a teacher-forced row needs first_logits or a suffix to run through its cache")
+        groups.setdefault(len(row.suffix), []).append(i)
+    device = model.get_input_embeddings().weight.device
+    for n, members in groups.items():
+        longest = max(len(rows[i].fed) for i in members)
+        steps = n + longest
+        keep = longest + (1 if n else 0)  # the logits read: the suffix's last, then one after each fed token
+        logits = None
+        if steps and keep:
+            order = [members[j] for j in BatchedCache.order([rows[i].cache for i in members], stack)]
+            cache = BatchedCache([rows[i].cache for i in order], steps, stack, consume=False)
+            ids = torch.tensor([list(rows[i].suffix) + rows[i].fed + [0] * (longest - len(rows[i].fed))
+                                for i in order], device=device)  # padding: after every position read
+            positions = torch.tensor([[rows[i].position + k for k in range(steps)] for i in order], device=device)
+            with compressed_attention_enabled(model):
+                logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, compressed_cache=cache,
+                               use_cache=True, logits_to_keep=keep).logits.float()
+            del cache
+            logits = dict(zip(order, logits))
+        for i in members:
+            row = rows[i]
+            parts = [] if n else [row.first_logits.reshape(1, -1).float().to(device)]
+            if logits is not None:
+                parts.append(logits[i][:len(row.fed) + (1 if n else 0)])
+            out[i] = torch.log_softmax(torch.cat(parts), dim=-1)
+    return out
+
+
+def mean_nll(log_probs: torch.Tensor, targets: list[int]) -> float:
+    """``−(1/m) Σ_k log p_k(targets[k])`` over the first ``m = len(targets)`` positions."""
+    index = torch.tensor(targets, device=log_probs.device).unsqueeze(-1)
+    return float(-log_probs[:len(targets)].gather(-1, index).mean())
+
+
+def kl_agree(full: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """Mean over positions of ``KL(p_full ‖ p_other) = Σ_v p_full (log p_full − log p_other)`` and the fraction
+    of positions whose argmax agree (both ``(N, V)`` log-probabilities). The same tensor twice gives exactly 0 and
+    1."""
+    if full is other:
+        return 0.0, 1.0
+    kl = (full.exp() * (full - other)).sum(-1).clamp_min(0).mean()
+    return float(kl), float((full.argmax(-1) == other.argmax(-1)).float().mean())
+
+
+def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], full: int | None,
+            greedy: list[int], stack: bool = True, tokens: int = KL_TOKENS) -> list[Fidelity]:
+    """The three numbers of every row of one sample. ``rows``: one per method config (``fed`` is set here);
+    ``reference``: the answer's token ids (empty: no ``answer_nll``); ``full``: the index of the full-cache row (None:
+    no ``kl_full`` / ``agree_full``); ``greedy``: the full row's decoded tokens (its stop token excluded). One batched
+    forward per suffix length serves both continuations of every row (2 rows per config)."""
+    greedy_fed = list(greedy[:tokens - 1])
+    forced = []
+    for row in rows:
+        if reference:
+            forced.append(ForcedRow(row.cache, row.first_logits, row.position, row.suffix, list(reference[:-1])))
+        if full is not None:
+            forced.append(ForcedRow(row.cache, row.first_logits, row.position, row.suffix, greedy_fed))
+    log_probs = forced_log_probs(model, forced, stack) if forced else []
+    per_row = len(forced) // max(len(rows), 1)
+    out = []
+    for r in range(len(rows)):
+        mine = log_probs[r * per_row:(r + 1) * per_row]
+        nll = mean_nll(mine[0], reference) if reference else None
+        if full is None:
+            out.append(Fidelity(nll, None, None, 0))
+            continue
+        reference_part = 1 if reference else 0
+        kl, agree = kl_agree(log_probs[full * per_row + reference_part], mine[reference_part])
+        out.append(Fidelity(nll, kl, agree, len(greedy_fed) + 1))
+    return out
+
+
+def finite(value: float | None) -> float | None:
+    """``None`` for an undefined number (stored as JSON null)."""
+    return None if value is None or not math.isfinite(value) else value

@@ -1,0 +1,185 @@
+"""Fidelity numbers (answer_nll, kl_full, agree_full; spark_bench/engine/fidelity.py): the teacher-forced pass equals
+a plain forward on a dense cache, the full cache gives exactly 0 / 1, a config that changes nothing equals its base,
+and a sweep stores them beside the scores (and says why they are empty without a full config)."""
+
+import json
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from spark_bench.benchmarks.base import Sample
+from spark_bench.benchmarks.reference import reference_text
+from spark_bench.engine.fidelity import ForcedRow, forced_log_probs, kl_agree, measure
+from spark_bench.engine.prefill import run_prefill
+from spark_bench.methods import MethodConfig, Pipeline
+
+REFERENCE = [311, 4045, 77, 2930, 905, 18]
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_lm):
+    ids = torch.randint(100, 5000, (1, 120), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    return ids, run_prefill(tiny_lm.model, ids, window=32)
+
+
+def _row(prefill, config, selections, suffix=()):
+    cache = Pipeline.from_config(config).build_cache(prefill, selections=selections)[0]
+    return ForcedRow(cache, prefill.first_logits, prefill.prompt_length, tuple(suffix), [])
+
+
+def _plain_log_probs(model, ids, continuation):
+    """A plain dense forward over prompt + continuation: the log-probabilities predicting each continuation token."""
+    full = torch.cat([ids, torch.tensor([continuation], device=ids.device)], dim=1)
+    logits = model(full).logits[0, ids.shape[1] - 1:-1].float()
+    return torch.log_softmax(logits, -1)
+
+
+@torch.no_grad()
+def test_teacher_forced_nll_equals_a_plain_forward_on_a_dense_cache(tiny_lm, prompt):
+    ids, prefill = prompt
+    row = _row(prefill, MethodConfig(name="full"), {})
+    fidelity = measure(tiny_lm.model, [row], REFERENCE, 0, REFERENCE[:3])
+    plain = _plain_log_probs(tiny_lm.model, ids, REFERENCE)
+    expected = -plain.gather(-1, torch.tensor(REFERENCE, device=plain.device).unsqueeze(-1)).mean()
+    assert fidelity[0].answer_nll == pytest.approx(float(expected), abs=1e-4)
+    # every position's distribution, not only the mean, through the compressed-cache attention
+    forced = forced_log_probs(tiny_lm.model, [ForcedRow(row.cache, row.first_logits, row.position, (),
+                                                         REFERENCE[:-1])])[0]
+    torch.testing.assert_close(forced, plain, atol=1e-4, rtol=0)
+    # with part of the prompt run through the cache as a suffix (compress_scope=question): the same numbers
+    part = run_prefill(tiny_lm.model, ids, window=32, ends=(100,)).at(100, True)
+    cache = Pipeline.from_config(MethodConfig(name="full")).build_cache(part)[0]
+    suffixed = ForcedRow(cache, None, 100, tuple(ids[0, 100:].tolist()), REFERENCE[:-1])
+    torch.testing.assert_close(forced_log_probs(tiny_lm.model, [suffixed])[0], plain, atol=1e-4, rtol=0)
+
+
+def test_full_gives_exactly_zero_and_one_and_lambda_zero_equals_its_base(tiny_lm, prompt):
+    _, prefill = prompt
+    selections = {}
+    configs = [MethodConfig(name="full"), MethodConfig(name="snapkv", budget=48),
+               MethodConfig(name="snapkv+spark", budget=48, ratio=0.0),
+               MethodConfig(name="snapkv+think", budget=48, ratio=0.8)]
+    rows = [_row(prefill, c, selections) for c in configs]
+    greedy = [17, 2044, 9, 380, 4211]
+    full, snap, spark0, think = measure(tiny_lm.model, rows, REFERENCE, 0, greedy)
+    assert (full.kl_full, full.agree_full, full.kl_tokens) == (0.0, 1.0, 6)  # 5 fed tokens: 6 positions
+    assert spark0.answer_nll == pytest.approx(snap.answer_nll, abs=1e-6)
+    assert spark0.kl_full == pytest.approx(snap.kl_full, abs=1e-6)
+    assert spark0.agree_full == snap.agree_full
+    assert think.kl_full > 0 and snap.kl_full > 0 and think.kl_full != snap.kl_full  # (a random tiny model)
+    assert 0 <= think.agree_full <= 1 and think.answer_nll != full.answer_nll
+    # no full row: only the answer NLL; the stacked and per-row paths agree
+    alone = measure(tiny_lm.model, rows[1:], REFERENCE, None, [], stack=False)
+    assert [f.kl_full for f in alone] == [None] * 3
+    assert [f.answer_nll for f in alone] == pytest.approx([snap.answer_nll, spark0.answer_nll, think.answer_nll],
+                                                          abs=1e-5)
+
+
+def test_kl_and_agreement_are_the_textbook_ones():
+    p = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]]), -1)
+    q = torch.log_softmax(torch.tensor([[0.0, 1.0, 2.0], [0.0, 3.0, 0.5]]), -1)
+    kl, agree = kl_agree(p, q)
+    expected = sum(float((p[i].exp() * (p[i] - q[i])).sum()) for i in range(2)) / 2
+    assert kl == pytest.approx(expected) and agree == 0.5
+    assert kl_agree(p, p.clone()) == (0.0, 1.0)
+
+
+def test_reference_text_follows_each_task_s_answer_form():
+    def sample(task, answers, metric="string_match_all"):
+        return Sample(task=task, id="x", input_ids=(1,), answers=tuple(answers), max_new_tokens=8, metric=metric)
+
+    assert reference_text(sample("niah_multivalue", ["12", "34"])) == " 12, 34."
+    assert reference_text(sample("cwe", ["a", "b"])) == " 1. a 2. b"
+    assert reference_text(sample("vt", ["X", "Y"])) == " X Y"
+    assert reference_text(sample("qa_1", ["Paris", "paris"], "string_match_part")) == " Paris"
+    assert reference_text(sample("narrativeqa", ["The dog.", "A dog"], "qa_f1_score")) == "The dog."
+    assert reference_text(sample("qa_1", [], "string_match_part")) == ""
+
+
+def test_sweep_stores_them_beside_the_score_and_says_why_kl_is_empty(tiny_lm, tmp_path):
+    from spark_bench.benchmarks.ruler import load_ruler
+    from spark_bench.runner import run_sweep
+
+    samples = load_ruler(["niah_single_1", "niah_multikey_1"], 384, 1, 0, tiny_lm, max_new_tokens=4)
+    configs = [MethodConfig(name="full"), MethodConfig(name="snapkv", budget=48),
+               MethodConfig(name="snapkv+spark", budget=48, ratio=0.8)]
+    preds = run_sweep(tiny_lm, samples, configs, tmp_path / "with", progress=False)
+    records = [json.loads(line) for line in (tmp_path / "with" / "predictions.jsonl").read_text().splitlines()]
+    full = [r for r in records if r["config"] == "Full"]
+    assert all(r["kl_full"] == 0 and r["agree_full"] == 1 and r["answer_nll"] > 0 for r in full)
+    others = [r for r in records if r["config"] != "Full"]
+    assert all(r["kl_full"] > 0 and 1 <= r["kl_tokens"] <= 16 for r in others)
+    scores = (tmp_path / "with" / "scores.csv").read_text().splitlines()[0].split(",")
+    assert {"answer_nll", "kl_full", "agree_full"} <= set(scores)
+    table = (tmp_path / "with" / "table.md").read_text()
+    assert "| NLL | KL full | Agree |" in table and "sweep has no full config" not in table
+    assert preds.answer_nll.notna().all()
+    run_sweep(tiny_lm, samples, configs[1:], tmp_path / "without", progress=False)
+    records = [json.loads(line) for line in (tmp_path / "without" / "predictions.jsonl").read_text().splitlines()]
+    assert all(r["kl_full"] is None and r["agree_full"] is None and r["answer_nll"] > 0 for r in records)
+    # the same configs' answer NLL does not depend on the full row joining the pass (to float noise)
+    with_full = {(r["id"], r["config"]): r["answer_nll"] for r in map(json.loads, (
+        tmp_path / "with" / "predictions.jsonl").read_text().splitlines())}
+    assert all(r["answer_nll"] == pytest.approx(with_full[r["id"], r["config"]], abs=1e-5) for r in records)
+    assert "KL full / Agree are empty: the sweep has no full config" in (tmp_path / "without" / "table.md").read_text()
+
+
+def test_library_answer_nll_ask_and_generate(tiny_lm, prompt):
+    import spark_bench
+
+    ids, _ = prompt
+    flat = ids[0].tolist()
+    full = spark_bench.compress(tiny_lm.model, flat, spark_bench.method("full"))
+    plain = _plain_log_probs(tiny_lm.model, ids, REFERENCE)
+    expected = float(-plain.gather(-1, torch.tensor(REFERENCE, device=plain.device).unsqueeze(-1)).mean())
+    assert spark_bench.answer_nll(tiny_lm.model, full, REFERENCE) == pytest.approx(expected, abs=1e-4)
+    out, nll = spark_bench.generate(tiny_lm.model, full, max_new_tokens=2, reference=REFERENCE)
+    assert out.shape[-1] == len(flat) + 2 and nll == pytest.approx(expected, abs=1e-4)
+    # a question run through the cache first: the plain forward over context + question + answer
+    context, question = flat[:100], flat[100:]
+    answers = spark_bench.ask(tiny_lm.model, context, [question], spark_bench.method("full"), max_new_tokens=2,
+                              references=[REFERENCE])
+    assert len(answers[0][0]) == 2 and answers[0][1] == pytest.approx(expected, abs=1e-4)
+    with pytest.raises(ValueError, match="references: one reference answer per question"):
+        spark_bench.ask(tiny_lm.model, context, [question], spark_bench.method("full"), references=[])
+    with pytest.raises(ValueError, match="reference: a text reference needs tokenizer="):
+        spark_bench.answer_nll(tiny_lm.model, full, "Paris")
+
+
+def _fidelity_samples():
+    import pandas as pd
+
+    from spark_bench.report.frame import SAMPLE_COLUMNS
+    from spark_bench.tables import FIDELITY
+
+    rows, block = [], "KV 50%"
+    for method, kl, score in (("SnapKV", 0.5, 100.0), ("+ThinK (0.8)", 2.0, 100.0), ("+SparK (0.8)", 0.8, 100.0)):
+        for task in ("Niah1", "MKey1"):
+            for i in range(25):
+                wobble = 0.01 * (i % 5)
+                rows.append((block, "SnapKV", method, task, f"{task}-{i}", score, 500, 1000, 0.0, None,
+                             1.0 + kl / 2 + wobble, kl + wobble, 1 - kl / 4))
+    return pd.DataFrame(rows, columns=[*SAMPLE_COLUMNS, *FIDELITY])
+
+
+def test_reports_pair_and_claim_on_the_fidelity_numbers():
+    from spark_bench.report import claims
+    from spark_bench.report.compare import interval_frame, paired_frame, paired_markdown
+    from spark_bench.report.layouts import RULER
+
+    samples = _fidelity_samples()
+    paired = paired_frame(samples, RULER)
+    kl = paired[(paired.metric == "kl_full") & (paired.base == "+ThinK (0.8)")].iloc[0]
+    assert kl.method == "+SparK (0.8)" and kl.delta == pytest.approx(0.8 - 2.0) and kl.high < 0 and kl.n == 50
+    score = paired[(paired.metric == "score") & (paired.base == "+ThinK (0.8)")].iloc[0]
+    assert score.delta == 0 and (score.low, score.high) == (0, 0)  # the scores cannot tell them apart
+    assert "**-1.200 [-1.200, -1.200]**" in paired_markdown(paired)
+    verdicts = {r.claim: r.verdict for r in claims.check(samples, RULER).itertuples()}
+    assert verdicts["SparK(0.8) moves the distribution less than ThinK(0.8) (KL to full)"] == "holds"
+    assert verdicts["SparK(0.8) answer NLL below ThinK(0.8)"] == "holds"
+    assert verdicts["SparK(0.8) keeps >= 95% of its base's agreement with full"] == "fails"  # 0.8 / 0.875
+    cells = interval_frame(samples, RULER, value="kl_full").set_index(["method", "column"])
+    assert cells.loc[("+ThinK (0.8)", "Avg."), "value"] == pytest.approx(2.02)
+    assert cells.loc[("+ThinK (0.8)", "KL full"), "value"] == pytest.approx(2.02)
+    assert cells.loc[("SnapKV", "NLL"), "low"] < 1.27 < cells.loc[("SnapKV", "NLL"), "high"]
