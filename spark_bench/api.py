@@ -157,9 +157,30 @@ def press(model: torch.nn.Module, name: str = "snapkv+spark", protocol: str | No
     if scope != "prompt":
         raise ValueError(f"compress_scope={scope!r}: a press compresses the whole prompt the prefill sees "
                          "('prompt'); for 'question' / 'context' use spark_bench.compress on a spark_bench.prompt")
-    config = method(name, protocol, compress_scope="prompt", **options)
-    with pressed(model, Pipeline.from_config(config)) as record:
+    if not isinstance(name, str):  # a kvpress press object: it selects the tokens, SparK / ThinK prune them
+        pipeline = _press_pipeline(name, protocol, options)
+    else:
+        pipeline = Pipeline.from_config(method(name, protocol, compress_scope="prompt", **options))
+    with pressed(model, pipeline) as record:
         yield record
+
+
+def _press_pipeline(press, protocol: str | None, options: dict) -> Pipeline:
+    """``press(model, kvpress.KnormPress(0.5), ratio=0.8[, channel="think"])``: the press keeps the tokens kvpress
+    keeps (its own ``compression_ratio``; :mod:`~spark_bench.methods.eviction.kvpress_scorer`), then
+    ``channel`` (``spark`` by default; ``ratio=0`` or unset: none) prunes their key channels."""
+    from spark_bench.methods.eviction.kvpress_scorer import PREFIX, KvpressEviction, _kvpress
+
+    if not isinstance(press, _kvpress().presses.base_press.BasePress):
+        raise ValueError(f"name: a method name (str) or a kvpress press, got {type(press).__name__}")
+    channel = options.pop("channel", "spark")
+    if channel not in ("spark", "think"):
+        raise ValueError(f"channel must be one of spark, think; got {channel!r}")
+    pruned = bool(options.get("ratio")) or options.get("variant", "fixed") != "fixed"
+    config = method(channel if pruned else "full", protocol, compress_scope="prompt", **{"ratio": 0.0, **options})
+    label = PREFIX + type(press).__name__.removesuffix("Press") + (f"+{config.label}" if pruned else "")
+    kept = 1 - float(getattr(press, "compression_ratio", None) or 0.0)
+    return replace(Pipeline.from_config(config), eviction=KvpressEviction(press), label=f"{label} @{kept:g}")
 
 
 def _reference_ids(reference, tokenizer, model) -> list[int]:
