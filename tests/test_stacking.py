@@ -163,8 +163,9 @@ def triton_kernels():
     return importlib.import_module("spark_bench.storage.triton_decode")
 
 
-FUSED_CASES = [  # head_dim, group, q_len, dtype: every kind in one launch; a suffix; head_dim 96 padded to 128
-    (64, 3, 1, torch.bfloat16), (32, 2, 3, torch.float32), (96, 4, 1, torch.float32)]
+FUSED_CASES = [  # head_dim, group, q_len, dtype: every kind in one launch; a suffix; head_dim 96 padded to 128;
+    (64, 3, 1, torch.bfloat16), (32, 2, 3, torch.float32), (96, 4, 1, torch.float32),  # the production shape
+    (128, 4, 1, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("head_dim,group,q_len,dtype", FUSED_CASES, ids=lambda x: str(x).replace("torch.", ""))

@@ -116,28 +116,49 @@ def eviction_key(cfg) -> tuple:
     return (cfg.name.split("+")[0], cfg.budget, cfg.budget_rounding, cfg.window_size, cfg.kernel_size, cfg.pooling)
 
 
+def member_kind(cfg, arch, dtype: str) -> str:
+    """Which of the partials kernel's member loops serves ``cfg``'s keys (the order
+    :class:`~spark_bench.storage.segments.FusedTables` sorts a work item's heads in): ``dense`` (eviction only, a
+    full row), ``plain`` (a compact layout without signs: ThinK, SparK's paper/zero recoveries, AdaKV rows), ``signed``
+    (SparK's official recovery)."""
+    from spark_bench.memory import _synthetic_layer
+    from spark_bench.storage.stores import DenseStore, UnstructuredStore
+
+    layer = _synthetic_layer(cfg, arch, getattr(__import__("torch"), dtype), 64)
+    store = layer.key_store
+    if isinstance(store, DenseStore):
+        return "plain" if getattr(layer, "valid_bits", None) is not None or cfg.name.startswith("ada") else "dense"
+    if isinstance(store, UnstructuredStore) and store.recovery.kernel_terms().mode == "signed":
+        return "signed"
+    return "plain"
+
+
 def work_items(model, configs, prompt: int, members: int, layer: int = 0) -> list[dict]:
     """One layer's work items of the partials kernel (per kv-head, × heads): the query heads sharing a value tensor
-    in batches of ``members``, each over ``chunk_of(tokens)``-token chunks; per item its members' key bytes per
-    token (each config's stores) and the values' bytes per token (read once for the batch)."""
+    (sorted by kind, as the tables sort them) in batches of ``members``, each over ``chunk_of(tokens)``-token
+    chunks; per item its members' kinds and key bytes per token (each config's stores) and the values' bytes per
+    token (read once for the batch)."""
     from spark_bench.memory import Arch, store_bytes, stored_tokens
     from spark_bench.storage.segments import FusedTables
 
     arch = Arch.of(model)
+    order = {"dense": 0, "plain": 1, "signed": 2}
     groups: dict = {}
     for cfg in configs:
         t = stored_tokens(cfg, arch, prompt)[layer]
         sb = store_bytes(cfg, arch, model.dtype)
-        groups.setdefault(eviction_key(cfg), (t, sb.value_per_token, []))[2].append(sb.key_per_token)
+        groups.setdefault(eviction_key(cfg), (t, sb.value_per_token, []))[2].append(
+            (member_kind(cfg, arch, model.dtype), sb.key_per_token))
     items = []
     for t, value_bytes, keys in groups.values():
+        keys = sorted(keys, key=lambda x: order[x[0]])
         chunk = FusedTables.chunk_of(t)
         for i in range(0, len(keys), members):
             batch = keys[i:i + members]
-            items.append({"members": len(batch), "tokens": t, "chunk": chunk,
-                          "programs": arch.num_kv_heads * -(-t // chunk),
-                          "heads": arch.num_kv_heads, "bytes_per_token": value_bytes + sum(batch),
-                          "key_bytes_per_token": batch, "value_bytes_per_token": value_bytes})
+            items.append({"members": len(batch), "kinds": [k for k, _ in batch], "tokens": t, "chunk": chunk,
+                          "programs": arch.num_kv_heads * -(-t // chunk), "heads": arch.num_kv_heads,
+                          "bytes_per_token": value_bytes + sum(b for _, b in batch),
+                          "key_bytes_per_token": [b for _, b in batch], "value_bytes_per_token": value_bytes})
     return items
 
 
@@ -175,22 +196,41 @@ def scenarios() -> dict:
     return out
 
 
+def token_loop(k: dict) -> tuple[dict, dict]:
+    """The partials kernel's steady-state loop (the top-level loop holding the member loops, else the largest) and
+    its member loop per kind: told apart by their byte loads (the mask and sign bytes): none → ``dense``, the most →
+    ``signed``, between → ``plain``; a single member loop serves every kind."""
+    loops = k["loops"]
+    token = max(loops, key=lambda x: (bool(x["inner"]), x["instructions"]))
+    inner = sorted(token["inner"], key=lambda x: x["global_loads"].get(1, 0))
+    if len(inner) <= 1:
+        return token, {kind: inner[0] if inner else None for kind in ("dense", "plain", "signed")}
+    kinds = {"dense": inner[0] if not inner[0]["global_loads"].get(1) else None, "signed": inner[-1]}
+    kinds["plain"] = inner[1] if len(inner) > 2 else inner[-1]
+    if kinds["dense"] is None:
+        kinds["dense"] = kinds["plain"]
+    return token, kinds
+
+
 def model_partials(k: dict, items: list[dict], device: Device) -> dict:
     """Instructions, bytes and modelled time of the partials kernel over ``items``."""
     block, warps = k["constants"]["BLOCK_"], k["num_warps"]
-    token = k["loops"][0]  # the outermost loop: over the chunk's tokens, BLOCK at a time
+    token, kinds = token_loop(k)
     instr = byte = 0.0
     loop_instr = in_flight = 0.0
     widest = max(token["global_loads"], default=0)
     for it in items:
         full, rest = divmod(it["tokens"], it["chunk"])
         blocks = it["heads"] * (full * -(-it["chunk"] // block) + -(-rest // block))
-        per_block = token["instructions"] + sum(x["instructions"] for x in token["inner"]) * it["members"]
+        member_kinds = it.get("kinds") or ["signed"] * it["members"]
+        per_block = token["instructions"] + sum(kinds[kind]["instructions"] for kind in member_kinds
+                                                if kinds[kind] is not None)
         loop_instr += warps * blocks * per_block
         instr += warps * (blocks * per_block + it["programs"] * k["outside_loops"])
         byte += it["tokens"] * it["heads"] * it["bytes_per_token"]
-        # bytes one CTA has requested at once: a nested member loop holds the values and one member's keys
-        keys = (sum(it["key_bytes_per_token"]) / it["members"] if token["inner"] else sum(it["key_bytes_per_token"]))
+        # bytes one CTA has requested at once: the values, issued first, and one member's keys (the member loops run
+        # one member at a time); a flat pipelined loop, num_stages − 1 iterations ahead
+        keys = sum(it["key_bytes_per_token"]) / it["members"] if token["inner"] else sum(it["key_bytes_per_token"])
         flat_stages = max(1, k["num_stages"] - 1) if not token["inner"] else 1
         in_flight = max(in_flight, block * (it["value_bytes_per_token"] + keys) * flat_stages)
     per_sm = in_flight * k["ctas_per_sm"]
@@ -209,7 +249,7 @@ def model_partials(k: dict, items: list[dict], device: Device) -> dict:
 def model_merge(k: dict, scenario: dict, device: Device) -> dict:
     """The merge kernel of one step: per query head its partials (one slot per chunk) and the ``TAIL`` tokens."""
     warps, block = k["num_warps"], k["constants"]["BLOCK_"]
-    slot_loop, tail_loop = (k["loops"] + [None, None])[:2]
+    slot_loop, tail_loop = (k["loops"] + [None, None])[:2]  # in program order: the partials, the tail
     heads, slots = scenario["query_heads"], scenario["slots"]
     rows, d = 4, 128
     instr = warps * (heads * k["outside_loops"] + slots * slot_loop["instructions"]

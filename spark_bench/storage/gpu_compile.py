@@ -82,7 +82,7 @@ def _arguments(launch: Launch):
     packed = torch.zeros(64, dtype=torch.int64)
     members = triton_decode.launch_shape(n)[1]
     tables = SimpleNamespace(seg=packed[:20], head=packed[20:34], work=packed[34:46], lists=packed[46:48],
-                             n_slots=4, n_work=2, members=members)
+                             n_slots=4, n_work=2, members=members, aligned=True)
     aux = torch.ones(heads, d)
     for kernel, _, args, kwargs in triton_decode.launches(q, 0.088, aux, tables, tail_k, new, new, tail_k, tail_v,
                                                           torch.zeros(1, dtype=torch.int64), launch.q_len, 0,

@@ -250,6 +250,7 @@ class FusedTables:
     n_slots: int
     n_work: int
     members: int
+    aligned: bool = False  # every value tensor and dense key run starts 16-byte aligned (16-byte loads)
 
     @staticmethod
     def chunk_of(n: int, block: int = 16) -> int:
@@ -271,9 +272,9 @@ class FusedTables:
     @classmethod
     def view(cls, packed: torch.Tensor, layout: tuple) -> "FusedTables":
         """The tables over ``packed`` (the device copy of :meth:`layout`'s list, or a slice of a larger upload)."""
-        a, b, c, slots, n_work, members = layout
+        a, b, c, slots, n_work, members, *aligned = layout
         return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], packed[a + b + c:], slots, n_work,
-                   members)
+                   members, bool(aligned and aligned[0]))
 
     @classmethod
     def layout(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
@@ -307,8 +308,17 @@ class FusedTables:
             slot_base.append(slots)
             slots += -(-tokens[qh] // chunks[qh])
         work, lists = [], []
+        modes = [r[8] for r in seg_rows]
+
+        def kind(qh: int) -> int:
+            """The kernel's member loop for ``qh`` (:mod:`.triton_decode`): 0 dense keys and every token valid, 1 a
+            compact layout without signs, 2 with them (official recovery)."""
+            both = (modes[first[qh]], modes[second[qh] if second[qh] >= 0 else first[qh]])
+            return 0 if both == (3, 3) and valid[qh] is None else 2 if 2 in both else 1
+
         for (part, offset, n), heads in groups.items():
             address, step = _address(values.parts[part], offset), chunks[heads[0]]
+            heads = sorted(heads, key=kind)  # a work item's heads by kind: one kernel loop per kind
             for i in range(0, len(heads), members):
                 batch = heads[i:i + members]
                 start = len(lists)
@@ -323,7 +333,9 @@ class FusedTables:
                               -(-tokens[qh] // chunks[qh]), tokens[qh]])
         flat = [x for r in seg_rows for x in r] + [x for r in head_rows for x in r] + [x for r in work for x in r]
         flat += lists
-        return flat, (10 * len(seg_rows), 7 * n_heads, 6 * len(work), slots, len(work), members)
+        rows = (keys.head_dim * keys.dtype.itemsize) % 16 == 0
+        aligned = rows and all(r[4] % 16 == 0 for r in work) and all(r[2] % 16 == 0 for r in seg_rows if r[8] == 3)
+        return flat, (10 * len(seg_rows), 7 * n_heads, 6 * len(work), slots, len(work), members, aligned)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed)

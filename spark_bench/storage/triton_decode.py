@@ -15,7 +15,14 @@ kept → ``k_tc``; pruned, mode 0 → ``f · a_c``; mode 1 (paper degenerate) �
 ``1/sqrt(‖q‖)`` official, ones otherwise), so ``q · k̃`` equals the C++ kernel's formula (``engine/kernels``).
 
 Rows sharing a value tensor (configs with the same eviction selection) are stacked into the rows of one program
-(``MEMBERS × ROWS_PER_MEMBER ≤ ROWS``): each value block is loaded once for all of them. The kernels read the rows'
+(``MEMBERS × ROWS_PER_MEMBER ≤ ROWS``): each value block is loaded once for all of them. A program's heads come
+sorted by kind (:class:`~spark_bench.storage.segments.FusedTables`), and each kind has its own member loop inside the
+token loop, specialised to it: dense keys (eviction only, a full row: rows of ``D`` channels loaded like the values),
+compact keys without signs (ThinK, SparK's paper/zero/constant recoveries, AdaKV rows), compact keys with signs
+(SparK's official recovery). A member's table row is read as scalars (L1-resident), never picked out of registers.
+Values (and dense keys) are addressed from the typed element pointer plus a 64-bit offset that the tables state is
+16-byte aligned (``VALIGN``): 16-byte loads. The machine code's instruction budget is measured by
+``scripts/bench/instructions.py`` (``results/bench/instructions.json``). The kernels read the rows'
 own tensors in place through 64-bit addresses in the tables (:class:`~spark_bench.storage.segments.FusedTables`):
 nothing is concatenated or copied. Every offset is 64-bit. ``head_dim`` is padded to a power of two inside the
 kernels (``D_PAD``), so any multiple of 8 works. Logits and softmax are float32 (``input_precision=DOT_PRECISION``).
@@ -33,41 +40,41 @@ import triton.language as tl
 SEG_COLS = 10   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill
 HEAD_COLS = 7   # seg_a, seg_b, split, valid_addr, slot_base, n_slots, n_tokens
 WORK_COLS = 6   # list_start, count, t_start, t_end, val_addr, chunk
-BLOCK = 16      # tokens per inner step (16 × 128 channels of rebuilt keys: no register spill at 8 warps)
+BLOCK = 32      # tokens per step of the token loop (32 × 128 channels of rebuilt keys, 0 spills at 8 warps)
 ROWS = 16       # query rows per program (the dot products' M)
-NUM_WARPS = 8   # 256 threads: 16 tokens × 128 channels of rebuilt keys fit without spilling (sm_80, sm_90)
+NUM_WARPS = 8   # 256 threads: 105-170 registers at D=128 (2 CTAs per SM on sm_90, 1 on sm_80), no spill
+NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does not act on it
 MERGE_WARPS = 4  # the merge of a decode step (a few query rows per head)
+MERGE_BLOCK = 16  # tail tokens per step of the merge
 DOT_PRECISION: tl.constexpr = tl.constexpr("ieee")  # float32 products (FMA), as the C++ kernel
 
 
 @triton.jit
-def _pick(cols, k: tl.constexpr):
-    """Element ``k`` of a small vector (a table row held in registers)."""
-    return tl.sum(tl.where(tl.arange(0, 16) == k, cols, 0), axis=0)
+def _segment(seg_ptr, s):
+    """The table row of segment ``s`` as scalars: out_off, t_kept, kept/mask addresses, mask stride, μ/sign
+    addresses, sign bit offset, mode, the fill's float32 bits."""
+    row = seg_ptr + s * 10
+    return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4), tl.load(row + 5),
+            tl.load(row + 6), tl.load(row + 7), tl.load(row + 8), tl.load(row + 9))
 
 
 @triton.jit
-def _column(cols_a, cols_b, first, k: tl.constexpr):
-    """Column ``k`` of the segment of each token: its head's first segment where ``first``, else its second."""
-    return tl.where(first, _pick(cols_a, k), _pick(cols_b, k))
-
-
-@triton.jit
-def _keys(cols_a, cols_b, split, aux, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
-          D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The rebuilt float32 keys ``(BLOCK, D_PAD)`` of one query head at tokens ``t``; ``cols_a``/``cols_b``: its two
-    segments' table rows (equal unless ThinK: its structured tokens, then from ``split`` its dense recent ones)."""
+def _keys(a, b, split, aux, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
+          D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SIGNS: tl.constexpr = True):
+    """The rebuilt float32 keys ``(BLOCK, D_PAD)`` of one query head at tokens ``t``; ``a``/``b``: its two segments'
+    table rows (:func:`_segment`; equal unless ThinK: its structured tokens, then from ``split`` its dense recent
+    ones)."""
     first = t < split
-    out_off = _column(cols_a, cols_b, first, 0)
-    t_kept = _column(cols_a, cols_b, first, 1)
-    kept_addr = _column(cols_a, cols_b, first, 2)
-    mask_addr = _column(cols_a, cols_b, first, 3)
-    mask_stride = _column(cols_a, cols_b, first, 4)
-    mu_addr = _column(cols_a, cols_b, first, 5)
-    sign_addr = _column(cols_a, cols_b, first, 6)
-    sign_bitoff = _column(cols_a, cols_b, first, 7)
-    mode = _column(cols_a, cols_b, first, 8)
-    fill = _column(cols_a, cols_b, first, 9).to(tl.int32).to(tl.float32, bitcast=True)
+    out_off = tl.where(first, a[0], b[0])
+    t_kept = tl.where(first, a[1], b[1])
+    kept_addr = tl.where(first, a[2], b[2])
+    mask_addr = tl.where(first, a[3], b[3])
+    mask_stride = tl.where(first, a[4], b[4])
+    mu_addr = tl.where(first, a[5], b[5])
+    sign_addr = tl.where(first, a[6], b[6])
+    sign_bitoff = tl.where(first, a[7], b[7])
+    mode = tl.where(first, a[8], b[8])
+    fill = tl.where(first, a[9], b[9]).to(tl.int32).to(tl.float32, bitcast=True)
     local = t.to(tl.int64) - out_off  # the token's index inside its segment
     cm = c < D
     both = live[:, None] & cm[None, :]
@@ -87,14 +94,17 @@ def _keys(cols_a, cols_b, split, aux, t, live, c, ELEM: tl.constexpr, ESIZE: tl.
     mu = tl.load((mu_addr + local * ESIZE).to(tl.pointer_type(ELEM), bitcast=True), mask=live & stat,
                  other=0.0).to(tl.float32)
     scale = tl.where(mode == 1, mu, tl.where(mode == 2, tl.sqrt_rn(tl.maximum(mu, 0.0)), fill))
-    first = sign_bitoff + local * (D - t_kept)  # bit index of the token's first pruned sign
-    phase = (first & 7).to(tl.int32)
-    signs = (sign_addr + (first >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True)
-    pos = phase[:, None] + (c[None, :] - rank)  # pruned rank, from the token's first sign byte
-    signed = both & ~kept & (mode == 2)[:, None]
-    sbyte = tl.load(signs[:, None] + (pos >> 3), mask=signed, other=0).to(tl.int32)
-    sign = tl.where(signed, 2.0 * ((sbyte >> (pos & 7)) & 1).to(tl.float32) - 1.0, 1.0)
-    return tl.where(kept, k, (scale[:, None] * sign) * aux[None, :])
+    if SIGNS:
+        first = sign_bitoff + local * (D - t_kept)  # bit index of the token's first pruned sign
+        phase = (first & 7).to(tl.int32)
+        signs = (sign_addr + (first >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True)
+        pos = phase[:, None] + (c[None, :] - rank)  # pruned rank, from the token's first sign byte
+        signed = both & ~kept & (mode == 2)[:, None]
+        sbyte = tl.load(signs[:, None] + (pos >> 3), mask=signed, other=0).to(tl.int32)
+        scale = scale[:, None] * tl.where(signed, 2.0 * ((sbyte >> (pos & 7)) & 1).to(tl.float32) - 1.0, 1.0)
+    else:
+        scale = scale[:, None] + tl.zeros((BLOCK_T, D_PAD), tl.float32)
+    return tl.where(kept, k, scale * aux[None, :])
 
 
 @triton.jit
@@ -125,12 +135,33 @@ def _online(m_i, l_i, acc, s, v, DOT: tl.constexpr = True):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["n_work", "advance"])
+@triton.jit
+def _member_scores(s, q, m, member, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM: tl.constexpr,
+                   ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                   SIGNS: tl.constexpr):
+    """Member ``m``'s logits (its compact keys rebuilt, AdaKV validity applied) into its rows of ``s``."""
+    qh = tl.load(heads + m)
+    hrow = head_ptr + qh * 7
+    aux = tl.load(aux_ptr + qh * D + c, mask=c < D, other=0.0)
+    k = _keys(_segment(seg_ptr, tl.load(hrow)), _segment(seg_ptr, tl.load(hrow + 1)), tl.load(hrow + 2), aux, t,
+              live, c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS)
+    valid_addr = tl.load(hrow + 3)
+    vbyte = tl.load((valid_addr + (t >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True),
+                    mask=live & ((t * 0 + valid_addr) != 0), other=255).to(tl.int32)
+    visible = live & (((vbyte >> (t & 7).to(tl.int32)) & 1) != 0)
+    sm = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    return tl.where((member == m)[:, None] & visible[None, :], sm, s)
+
+
+@triton.jit(do_not_specialize=["n_work", "advance"],
+            do_not_specialize_on_alignment=["seg_ptr", "head_ptr", "work_ptr", "list_ptr"])
 def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_ptr, ml_ptr, elem_ptr, len_ptr,
                      n_rows, q_stride, scale, n_work, advance, D: tl.constexpr, D_PAD: tl.constexpr,
-                     RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr):
-    """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor. Program
-    (0, 0) also advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
+                     RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr,
+                     VALIGN: tl.constexpr = False):
+    """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor.
+    ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads). Program (0, 0) also
+    advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
     w = tl.program_id(0).to(tl.int64)
     gb = tl.program_id(1).to(tl.int64)
     tl.store(len_ptr, tl.load(len_ptr) + advance, mask=(w == 0) & (gb == 0))
@@ -155,35 +186,43 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     m_i = tl.full((RPM * MEMBERS,), float("-inf"), tl.float32)
     l_i = tl.zeros((RPM * MEMBERS,), tl.float32)
     acc = tl.zeros((RPM * MEMBERS, D_PAD), tl.float32)
-    values = val_addr.to(tl.pointer_type(ELEM), bitcast=True)
-    # each member's table rows and per-channel recovery scale, loaded once per program
-    mi = tl.arange(0, MEMBERS)
-    has = mi < count
-    qh_m = tl.load(list_ptr + list_start + mi, mask=has, other=0)
-    aux_all = tl.load(aux_ptr + qh_m[:, None] * D + c[None, :], mask=has[:, None] & cm[None, :], other=0.0)
-    k16 = tl.arange(0, 16)
-    seg_a = tl.load(head_ptr + qh_m * 7, mask=has, other=0)
-    seg_b = tl.load(head_ptr + qh_m * 7 + 1, mask=has, other=0)
-    split_m = tl.load(head_ptr + qh_m * 7 + 2, mask=has, other=0)
-    valid_m = tl.load(head_ptr + qh_m * 7 + 3, mask=has, other=0)
-    segs_a = tl.load(seg_ptr + seg_a[:, None] * 10 + k16[None, :], mask=has[:, None] & (k16 < 10)[None, :], other=0)
-    segs_b = tl.load(seg_ptr + seg_b[:, None] * 10 + k16[None, :], mask=has[:, None] & (k16 < 10)[None, :], other=0)
+    # the values as an offset from a typed, 16-byte aligned base pointer (the element-type argument): its
+    # alignment and the offset's (a multiple of 16 bytes, VALIGN) give 16-byte loads
+    offset = (val_addr - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
+    if VALIGN:
+        offset = tl.multiple_of(offset, 16 // ESIZE)
+    values = elem_ptr + offset
+    # the item's heads come ordered by kind (FusedTables.layout): dense keys with every token valid, compact keys
+    # without signs, with signs; each kind has its own member loop, specialised to it
+    n_dense = 0
+    n_plain = 0
+    for m in range(0, count):
+        hrow = head_ptr + tl.load(list_ptr + list_start + m) * 7
+        mode_a = tl.load(seg_ptr + tl.load(hrow) * 10 + 8)
+        mode_b = tl.load(seg_ptr + tl.load(hrow + 1) * 10 + 8)
+        n_dense += ((mode_a == 3) & (mode_b == 3) & (tl.load(hrow + 3) == 0)).to(tl.int32)
+        n_plain += ((mode_a != 2) & (mode_b != 2)).to(tl.int32)
     for t0 in range(t_start, t_end, BLOCK_):
         t = t0 + tl.arange(0, BLOCK_).to(tl.int64)
         live = t < t_end
-        v = tl.load(values + t[:, None] * D + c[None, :], mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        both = live[:, None] & cm[None, :]
+        v = tl.load(values + t[:, None] * D + c[None, :], mask=both, other=0.0).to(tl.float32)
         s = tl.full((RPM * MEMBERS, BLOCK_), float("-inf"), tl.float32)
-        for m in range(0, count):  # a loop, not unrolled: one member's keys live in registers at a time
-            mine = (mi == m)[:, None]
-            aux = tl.sum(tl.where(mine, aux_all, 0.0), axis=0)
-            k = _keys(tl.sum(tl.where(mine, segs_a, 0), axis=0), tl.sum(tl.where(mine, segs_b, 0), axis=0),
-                      tl.sum(tl.where(mi == m, split_m, 0), axis=0), aux, t, live, c, ELEM, ESIZE, D, D_PAD, BLOCK_)
-            valid_addr = tl.sum(tl.where(mi == m, valid_m, 0), axis=0)
-            vbyte = tl.load((valid_addr + (t >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True),
-                            mask=live & ((t * 0 + valid_addr) != 0), other=255).to(tl.int32)
-            visible = live & (((vbyte >> (t & 7).to(tl.int32)) & 1) != 0)
+        for m in range(0, n_dense):  # dense keys: rows of D channels, like the values
+            seg = tl.load(head_ptr + tl.load(list_ptr + list_start + m) * 7)
+            start = (tl.load(seg_ptr + seg * 10 + 2) - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
+            if VALIGN:
+                start = tl.multiple_of(start, 16 // ESIZE)
+            start -= tl.load(seg_ptr + seg * 10) * D  # (the segment's first token)
+            k = tl.load(elem_ptr + start + t[:, None] * D + c[None, :], mask=both, other=0.0).to(tl.float32)
             sm = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            s = tl.where((member == m)[:, None] & visible[None, :], sm, s)
+            s = tl.where((member == m)[:, None] & live[None, :], sm, s)
+        for m in range(n_dense, n_plain):  # compact keys, no signs
+            s = _member_scores(s, q, m, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
+                               ELEM, ESIZE, D, D_PAD, BLOCK_, False)
+        for m in range(n_plain, count):  # compact keys with signs (official recovery)
+            s = _member_scores(s, q, m, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
+                               ELEM, ESIZE, D, D_PAD, BLOCK_, True)
         m_i, l_i, acc = _online(m_i, l_i, acc, s, v)
     slot = tl.load(head_ptr + qh_r * 7 + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
@@ -274,13 +313,13 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
                 (q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, tail_len, n,
                  q.stride(0), scale, tables.n_work, advance),
                 dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK, ESIZE=elem.element_size(),
-                     num_warps=NUM_WARPS, num_stages=1))
+                     VALIGN=bool(getattr(tables, "aligned", False)), num_warps=NUM_WARPS, num_stages=NUM_STAGES))
     rm = min(triton.next_power_of_2(n), ROWS)  # a decode step's few rows: no padding to 16
     merge = (_merge_kernel, (heads, triton.cdiv(n, rm)),
              (q, tables.head, acc, ml, tail_keys, tail_values, new_keys, new_values, tail_len, out, n, q.stride(0),
               tail_keys.shape[1], q_len, g0, scale, new_keys.stride(0), new_keys.stride(1), new_values.stride(0),
               new_values.stride(1)),
-             dict(D=d, D_PAD=d_pad, RM=rm, BLOCK_=BLOCK, num_warps=MERGE_WARPS if rm <= 4 else NUM_WARPS,
+             dict(D=d, D_PAD=d_pad, RM=rm, BLOCK_=MERGE_BLOCK, num_warps=MERGE_WARPS if rm <= 4 else NUM_WARPS,
                   num_stages=1))
     return [partials, merge]
 
