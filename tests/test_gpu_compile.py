@@ -67,19 +67,22 @@ def test_loops_are_found_by_their_back_edges():
 
 def test_the_instruction_budget_script_reads_a_launched_kernel():
     """scripts/bench/instructions.py on one specialisation (the sm_90 partials kernel of the decode step): its
-    token loop found, and the model's instructions per byte = warps × loop instructions ÷ (BLOCK × bytes)."""
+    token loop and a member loop per kind found, and the model's instructions per byte = warps × (token loop + the
+    members' loops) ÷ (BLOCK × bytes per token)."""
     spec = importlib.util.spec_from_file_location("instructions", ROOT / "scripts/bench/instructions.py")
     bench = importlib.util.module_from_spec(spec)
     sys.modules["instructions"] = bench  # (its dataclasses look their module up)
     spec.loader.exec_module(bench)
     k = bench.kernel_figures(Launch("partials", 128, 4), 90)
     assert k["spill_bytes"] == 0 and k["ctas_per_sm"] >= 1 and k["loops"]
-    loop = k["loops"][0]
-    per_block = loop["instructions"] + sum(x["instructions"] for x in loop["inner"])
-    item = {"members": 1, "tokens": 1024, "chunk": 1024, "programs": 1, "heads": 1, "bytes_per_token": 512,
-            "key_bytes_per_token": [256], "value_bytes_per_token": 256}
+    token, kinds = bench.token_loop(k)
+    assert kinds["dense"]["instructions"] < kinds["plain"]["instructions"] <= kinds["signed"]["instructions"]
+    assert kinds["dense"]["global_loads"].get(1, 0) == 0 and token["global_loads"].get(16)  # 16-byte value loads
+    item = {"members": 2, "kinds": ["dense", "signed"], "tokens": 1024, "chunk": 1024, "programs": 1, "heads": 1,
+            "bytes_per_token": 600, "key_bytes_per_token": [256, 88], "value_bytes_per_token": 256}
     p = bench.model_partials(k, [item], bench.DEVICES[90])
+    per_block = token["instructions"] + kinds["dense"]["instructions"] + kinds["signed"]["instructions"]
     block = k["constants"]["BLOCK_"]
-    assert p["bytes"] == 1024 * 512
-    assert p["instr_per_byte_loop"] == pytest.approx(k["num_warps"] * per_block / (block * 512), abs=1e-4)
+    assert p["bytes"] == 1024 * 600
+    assert p["instr_per_byte_loop"] == pytest.approx(k["num_warps"] * per_block / (block * 600), abs=1e-4)
     assert 0 < p["fraction_of_bound"] <= 1
