@@ -104,8 +104,9 @@ def test_peak_bandwidth_by_device_name():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 @pytest.mark.parametrize("target", ["gpu-check", "test-gpu"])
 def test_gpu_targets_stop_at_once_without_cuda(target):
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # not under make -j
     done = subprocess.run(["make", "-s", "--no-print-directory", target], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+                          timeout=120, env=env)
     assert done.returncode == 2
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in lines[0], lines
