@@ -83,7 +83,8 @@ class Scale:
     shape: dict
     mix_prompt: int
     rows: dict                       # workload name → prompt tokens of its one row
-    mix_budgets: tuple = (128, 512)  # Table 1's KV budgets taken into the mix (the smoke: 128's 14 configs)
+    mix_budgets: tuple = (128, 512)  # Table 1's KV budgets taken into the mix (the smoke: 128's configs)
+    mix_ratios: tuple = (0.5, 0.8)   # and its +think / +spark ratios (the smoke: 0.5, one row of each method)
     budget_divisor: int = 1          # those budgets ÷ this
     options: dict = field(default_factory=dict)  # method options over the protocol's (the smoke's small windows)
     warm: int = 3
@@ -92,8 +93,8 @@ class Scale:
 
 
 FULL = Scale(PRODUCTION, 7950, {"row_32k": 32768, "row_127.5k": 127500})
-TINY = Scale(SMOKE, 48, {"row_32k": 96, "row_127.5k": 192}, mix_budgets=(128,), budget_divisor=16,
-             options={"window_size": 4, "channel_window": 4}, warm=0, repeats=1, new_tokens=2)
+TINY = Scale(SMOKE, 32, {"row_32k": 64, "row_127.5k": 128}, mix_budgets=(128,), mix_ratios=(0.5,),
+             budget_divisor=16, options={"window_size": 4, "channel_window": 4}, warm=0, repeats=1, new_tokens=2)
 
 
 class Report:
@@ -218,7 +219,8 @@ class Bench:
         out = []
         for c in sweep:
             c = dict(c)
-            if c.get("budget", self.scale.mix_budgets[0]) not in self.scale.mix_budgets:
+            if (c.get("budget", self.scale.mix_budgets[0]) not in self.scale.mix_budgets
+                    or c.get("ratio", self.scale.mix_ratios[0]) not in self.scale.mix_ratios):
                 continue
             if "budget" in c:
                 c["budget"] = c["budget"] // self.scale.budget_divisor
@@ -322,8 +324,8 @@ def _fused_layer(bench: Bench, ctxs: list) -> dict:
     length = 1 + scale.warm + (scale.repeats + 1) // 2  # the tail at the median call
     nbytes = _layer_bytes(rows, length)
     peak = bench.peak[0]
-    return {"rows": len(rows), "backend": layer.backend, "fused_rows": len(layer.stacked), "loose_rows": len(layer.loose),
-            "bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds,
+    return {"rows": len(rows), "backend": layer.backend, "fused_rows": len(layer.stacked),
+            "loose_rows": len(layer.loose), "bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds,
             "fraction_of_peak": nbytes / seconds / peak if peak else None, "max_abs_error_vs_reference": error}
 
 
