@@ -118,3 +118,35 @@ def test_check_without_cuda_is_one_line(capsys):
     assert load_check().main(["--out", "unused"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA device" in err[0]
+
+
+NODE_INSTALL = ROOT / "scripts" / "gpu" / "node_install.py"
+
+
+def _node_install(wheelhouse: Path, venv: Path):
+    return subprocess.run([sys.executable, str(NODE_INSTALL), "--wheelhouse", str(wheelhouse), "--venv", str(venv)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_node_install_refuses_in_one_line_before_writing(tmp_path):
+    """`make node-install` (the offline node, docs/gpu.md): a directory that is no wheelhouse, a wheelhouse of
+    another Python, and a venv with a torch of its own (it would hide the node's) are each refused in one line, exit
+    2, with nothing installed or written there. (The install itself runs in the CI step scripts/gpu/ci_node.sh.)"""
+    venv = tmp_path / "venv"
+    done = _node_install(tmp_path, venv)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no wheelhouse.json" in done.stderr
+    (tmp_path / "wheelhouse.json").write_text(json.dumps({"python": "2.7"}))
+    done = _node_install(tmp_path, venv)
+    assert done.returncode == 2 and "holds wheels for Python 2.7" in done.stderr and not venv.exists()
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    (tmp_path / "wheelhouse.json").write_text(json.dumps({"python": here}))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    purelib = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; "
+                                   "print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True,
+                                  check=True).stdout.strip())
+    (purelib / "torch-2.0.0.dist-info").mkdir()
+    done = _node_install(tmp_path, venv)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(f"node-install: --venv {venv} already holds "
+                                                          "torch-2.0.0.dist-info of its own")
+    assert not (purelib / "_spark_bench_node.pth").exists() and not (venv / "node-constraints.txt").exists()

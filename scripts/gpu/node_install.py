@@ -66,6 +66,11 @@ def constraints(lock: Path, node: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _own(purelib: Path) -> list[str]:
+    """torch or triton installed in the venv's own site-packages (packages or their metadata)."""
+    return sorted(p.name for p in purelib.iterdir() if p.name.split("-")[0].lower() in NODE_OWNED)
+
+
 def run(cmd: list[str], **kwargs) -> None:
     print("node-install: " + " ".join(cmd), flush=True)
     done = subprocess.run(cmd, env=_env(), **kwargs)
@@ -100,9 +105,13 @@ def main() -> None:
         fail(f"--venv {venv} exists but is not a venv (no bin/python): remove it or name another")
     if not venv.exists():
         run([sys.executable, "-m", "venv", str(venv)])
-    # the venv sees the node's site-packages after its own (what --system-site-packages gives a system Python)
     purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                   capture_output=True, text=True, check=True).stdout.strip())
+    own = _own(purelib)
+    if own:
+        fail(f"--venv {venv} already holds {', '.join(own)} of its own, which would hide the node's: remove it "
+             "(or name another --venv / VENV=)")
+    # the venv sees the node's site-packages after its own (what --system-site-packages gives a system Python)
     node_sites = [p for p in dict.fromkeys(site.getsitepackages() + [sysconfig.get_paths()["purelib"]])
                   if Path(p).is_dir() and Path(p).resolve() != purelib.resolve()]
     (purelib / "_spark_bench_node.pth").write_text("\n".join(node_sites) + "\n", encoding="utf-8")
@@ -115,7 +124,7 @@ def main() -> None:
     for name in NODE_OWNED:
         if after[name] != node[name]:
             fail(f"{name} changed under the venv: {node[name]} before, {after[name]} after")
-    own = [p.name for p in purelib.iterdir() if p.name.split("-")[0].lower() in NODE_OWNED]
+    own = _own(purelib)
     if own:
         fail(f"the venv's own site-packages holds {', '.join(own)}: the node's torch/triton must stay the only ones")
     print(f"node-install: torch untouched ({after['torch']['version']} from {after['torch']['file']})", flush=True)
