@@ -46,7 +46,7 @@ def test_cpu_smoke_runs_every_section(tmp_path):
         layer = sections[f"{workload}.fused_layer"]
         for kind in ("compressed", "dense"):
             assert layer[kind]["backend"] == "triton" and layer[kind]["fused_rows"] == layer[kind]["rows"]
-            assert layer[kind]["max_abs_error_vs_reference"] < 2e-2  # bf16 output of float32 arithmetic
+            assert layer[kind]["error_vs_reference"] <= check.TOLERANCE[torch.bfloat16]
             assert layer[kind]["fraction_of_peak"] is None  # no peak bandwidth for a CPU
         assert 0 < layer["kv_bytes_ratio"] < 1
         steps = sections[f"{workload}.steps"]
@@ -150,3 +150,15 @@ def test_node_install_refuses_in_one_line_before_writing(tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith(f"node-install: --venv {venv} already holds "
                                                           "torch-2.0.0.dist-info of its own")
     assert not (purelib / "_spark_bench_node.pth").exists() and not (venv / "node-constraints.txt").exists()
+
+
+def test_a_fused_layer_off_its_reference_fails_with_its_figures(tmp_path, monkeypatch):
+    """The fused layer's output is checked against the per-row reference path: beyond the tolerance the section
+    fails (exit 1) and check.json keeps what it measured beside the error."""
+    check = load_check()
+    monkeypatch.setitem(check.TOLERANCE, torch.bfloat16, -1.0)  # no error is small enough
+    assert check.main(["--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", "row_32k.fused_layer"]) == 1
+    section = json.loads((tmp_path / "check.json").read_text())["sections"]["row_32k.fused_layer"]
+    assert section["error"].startswith("SectionFailed: the fused kernel is not what ran or differs from the "
+                                       "reference path: compressed: error ")
+    assert section["compressed"]["seconds"] > 0 and section["dense"]["error_vs_reference"] >= 0

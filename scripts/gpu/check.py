@@ -97,6 +97,19 @@ TINY = Scale(SMOKE, 32, {"row_32k": 64, "row_127.5k": 128}, mix_budgets=(128,), 
              budget_divisor=16, options={"window_size": 4, "channel_window": 4}, warm=0, repeats=1, new_tokens=2)
 
 
+# The largest normalised error (max |fused − reference| / max |reference|) accepted for a layer's output: four
+# roundings of its dtype (the fused kernel rounds its float32 result once), 1e-4 in float32 (summation order only)
+TOLERANCE = {torch.bfloat16: 4 * 2 ** -8, torch.float16: 4 * 2 ** -11, torch.float32: 1e-4}
+
+
+class SectionFailed(Exception):
+    """A section that measured, but whose result fails a check: both go into check.json."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
 class Report:
     """check.json, rewritten after every section (a crash later loses nothing before it)."""
 
@@ -118,7 +131,8 @@ class Report:
             result = fn(*args)
         except Exception as exc:  # noqa: BLE001 — a failing section is recorded and the rest still run
             self.data["errors"][name] = f"{type(exc).__name__}: {exc}"
-            self.data["sections"][name] = {"ok": False, "error": self.data["errors"][name],
+            measured = exc.result if isinstance(exc, SectionFailed) else {}
+            self.data["sections"][name] = {**measured, "ok": False, "error": self.data["errors"][name],
                                            "traceback": traceback.format_exc(),
                                            "seconds": time.perf_counter() - start}
             print(f"gpu-check: {name}: FAILED: {self.data['errors'][name]}", file=sys.stderr, flush=True)
@@ -314,7 +328,7 @@ def _fused_layer(bench: Bench, ctxs: list) -> dict:
     out = layer.attend(query, scaling)
     reference.update(keys, values)
     expected = reference.attend(query, scaling)
-    error = (out.float() - expected.float()).abs().max().item()
+    error = ((out.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
     def step():
         layer.update(keys, values)
@@ -326,7 +340,8 @@ def _fused_layer(bench: Bench, ctxs: list) -> dict:
     peak = bench.peak[0]
     return {"rows": len(rows), "backend": layer.backend, "fused_rows": len(layer.stacked),
             "loose_rows": len(layer.loose), "bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds,
-            "fraction_of_peak": nbytes / seconds / peak if peak else None, "max_abs_error_vs_reference": error}
+            "fraction_of_peak": nbytes / seconds / peak if peak else None, "error_vs_reference": error,
+            "tolerance": TOLERANCE[bench.dtype]}
 
 
 def fused_layer(bench: Bench, workload: str) -> dict:
@@ -335,8 +350,17 @@ def fused_layer(bench: Bench, workload: str) -> dict:
     dense_ctxs = bench.dense(workload, len(ctxs))
     dense = _fused_layer(bench, dense_ctxs)
     del dense_ctxs
-    return {"timed_by": bench.timer.how, "peak_bandwidth": bench.peak[1], "compressed": compressed, "dense": dense,
-            "kv_bytes_ratio": compressed["bytes"] / dense["bytes"]}
+    out = {"timed_by": bench.timer.how, "peak_bandwidth": bench.peak[1], "compressed": compressed, "dense": dense,
+           "kv_bytes_ratio": compressed["bytes"] / dense["bytes"]}
+    wrong = [f"{kind}: " + (f"{r['loose_rows']} of {r['rows']} rows not on the fused kernel ({r['backend']})"
+                            if r["backend"] != "triton" or r["loose_rows"] else
+                            f"error {r['error_vs_reference']:.2e} of the output's scale > {r['tolerance']:.1e}")
+             for kind, r in (("compressed", compressed), ("dense", dense))
+             if r["backend"] != "triton" or r["loose_rows"] or not r["error_vs_reference"] <= r["tolerance"]]
+    if wrong:
+        raise SectionFailed("the fused kernel is not what ran or differs from the reference path: " + "; ".join(wrong),
+                            out)
+    return out
 
 
 @torch.inference_mode()
