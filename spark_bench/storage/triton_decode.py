@@ -33,8 +33,32 @@ and compile every specialisation for sm_80/sm_90 ahead of time (``tests/test_gpu
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+def _interpreter_bf16_dot() -> None:
+    """Triton's CPU interpreter (3.9) multiplies ``tl.dot``'s bfloat16 operands as their raw 16-bit patterns (numpy
+    has no bfloat16; it stores them as uint16): widen them to float32 first, which is exact, as the tensor cores'
+    products are. Installed only under ``TRITON_INTERPRET=1``."""
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+    if getattr(original, "widens_bf16", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot.widens_bf16 = True
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_bf16_dot()
+
 
 # columns of the tables (storage/segments.py builds them)
 SEG_COLS = 10   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill
@@ -59,11 +83,13 @@ def _segment(seg_ptr, s):
 
 
 @triton.jit
-def _keys(a, b, split, aux, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
+def _keys(a, b, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
           D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SIGNS: tl.constexpr = True):
-    """The rebuilt float32 keys ``(BLOCK, D_PAD)`` of one query head at tokens ``t``; ``a``/``b``: its two segments'
-    table rows (:func:`_segment`; equal unless ThinK: its structured tokens, then from ``split`` its dense recent
-    ones)."""
+    """The keys ``(BLOCK, D_PAD)`` of one query head at tokens ``t`` as their parts: which entries are kept, the kept
+    entries (0 elsewhere, the stores' dtype), the per-token recovery scale (``f``, ``μ_t`` or ``sqrt(μ_t)``), the
+    pruned entries' signs (±1; 1 without signs) and which entries are pruned; the rebuilt key of a pruned entry is
+    ``scale · sign · a_c``. ``a``/``b``: its two segments' table rows (:func:`_segment`; equal unless ThinK: its
+    structured tokens, then from ``split`` its dense recent ones)."""
     first = t < split
     out_off = tl.where(first, a[0], b[0])
     t_kept = tl.where(first, a[1], b[1])
@@ -89,7 +115,7 @@ def _keys(a, b, split, aux, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr,
     rank = tl.cumsum(bit, axis=1) - bit  # kept channels before c
     kept = bit != 0
     rows = (kept_addr + local * t_kept * ESIZE).to(tl.pointer_type(ELEM), bitcast=True)
-    k = tl.load(rows[:, None] + rank, mask=both & kept, other=0.0).to(tl.float32)
+    k = tl.load(rows[:, None] + rank, mask=both & kept, other=0.0)
     stat = (mode == 1) | (mode == 2)
     mu = tl.load((mu_addr + local * ESIZE).to(tl.pointer_type(ELEM), bitcast=True), mask=live & stat,
                  other=0.0).to(tl.float32)
@@ -101,10 +127,10 @@ def _keys(a, b, split, aux, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr,
         pos = phase[:, None] + (c[None, :] - rank)  # pruned rank, from the token's first sign byte
         signed = both & ~kept & (mode == 2)[:, None]
         sbyte = tl.load(signs[:, None] + (pos >> 3), mask=signed, other=0).to(tl.int32)
-        scale = scale[:, None] * tl.where(signed, 2.0 * ((sbyte >> (pos & 7)) & 1).to(tl.float32) - 1.0, 1.0)
+        sign = tl.where(signed, 2.0 * ((sbyte >> (pos & 7)) & 1).to(tl.float32) - 1.0, 1.0)
     else:
-        scale = scale[:, None] + tl.zeros((BLOCK_T, D_PAD), tl.float32)
-    return tl.where(kept, k, scale * aux[None, :])
+        sign = tl.full((BLOCK_T, D_PAD), 1.0, tl.float32)
+    return kept, k, scale, sign, both & ~kept
 
 
 @triton.jit
@@ -119,6 +145,20 @@ def _scores(q, k, DOT: tl.constexpr):
 
 
 @triton.jit
+def _split_dot(a, b, acc):
+    """``acc + a · b`` for float32 ``a`` and bfloat16 ``b`` on the tensor cores with float32 products: ``a`` split
+    into three bfloat16 terms (``a = a₁ + a₂ + a₃`` to float32's 24 bits), each product of two bfloat16 exact in
+    float32, accumulated in float32."""
+    a1 = a.to(tl.bfloat16)
+    r = a - a1.to(tl.float32)
+    a2 = r.to(tl.bfloat16)
+    a3 = (r - a2.to(tl.float32)).to(tl.bfloat16)
+    acc = tl.dot(a1, b, acc)
+    acc = tl.dot(a2, b, acc)
+    return tl.dot(a3, b, acc)
+
+
+@triton.jit
 def _online(m_i, l_i, acc, s, v, DOT: tl.constexpr = True):
     """One online-softmax step: fold logits ``s (rows, n)`` and their values ``v (n, D)`` into the running max
     ``m_i``, sum ``l_i`` and ``acc = Σ exp(s − m) · v`` (rows fully masked so far keep ``m = −inf``, weight 0)."""
@@ -127,11 +167,12 @@ def _online(m_i, l_i, acc, s, v, DOT: tl.constexpr = True):
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DOT:
-        pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+    if v.dtype == tl.bfloat16:  # bfloat16 values: tensor cores, float32 products and sums
+        acc = _split_dot(p, v, acc * alpha[:, None])
+    elif DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
     else:
-        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-    acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
     return m_new, l_i, acc
 
 
@@ -139,17 +180,19 @@ def _online(m_i, l_i, acc, s, v, DOT: tl.constexpr = True):
 def _member_scores(s, q, m, member, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM: tl.constexpr,
                    ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                    SIGNS: tl.constexpr):
-    """Member ``m``'s logits (its compact keys rebuilt, AdaKV validity applied) into its rows of ``s``."""
+    """Member ``m``'s logits (its compact keys rebuilt in float32, AdaKV validity applied; an FMA dot) into its rows
+    of ``s``."""
     qh = tl.load(heads + m)
     hrow = head_ptr + qh * 7
+    kept, k, scale, sign, pruned = _keys(_segment(seg_ptr, tl.load(hrow)), _segment(seg_ptr, tl.load(hrow + 1)),
+                                         tl.load(hrow + 2), t, live, c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS)
     aux = tl.load(aux_ptr + qh * D + c, mask=c < D, other=0.0)
-    k = _keys(_segment(seg_ptr, tl.load(hrow)), _segment(seg_ptr, tl.load(hrow + 1)), tl.load(hrow + 2), aux, t,
-              live, c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS)
+    keys = tl.where(kept, k.to(tl.float32), (scale[:, None] * sign) * aux[None, :])
+    sm = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
     valid_addr = tl.load(hrow + 3)
     vbyte = tl.load((valid_addr + (t >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True),
                     mask=live & ((t * 0 + valid_addr) != 0), other=255).to(tl.int32)
     visible = live & (((vbyte >> (t & 7).to(tl.int32)) & 1) != 0)
-    sm = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     return tl.where((member == m)[:, None] & visible[None, :], sm, s)
 
 
@@ -206,7 +249,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
         t = t0 + tl.arange(0, BLOCK_).to(tl.int64)
         live = t < t_end
         both = live[:, None] & cm[None, :]
-        v = tl.load(values + t[:, None] * D + c[None, :], mask=both, other=0.0).to(tl.float32)
+        v = tl.load(values + t[:, None] * D + c[None, :], mask=both, other=0.0)  # (bf16: the tensor cores')
         s = tl.full((RPM * MEMBERS, BLOCK_), float("-inf"), tl.float32)
         for m in range(0, n_dense):  # dense keys: rows of D channels, like the values
             seg = tl.load(head_ptr + tl.load(list_ptr + list_start + m) * 7)
@@ -214,8 +257,8 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
             if VALIGN:
                 start = tl.multiple_of(start, 16 // ESIZE)
             start -= tl.load(seg_ptr + seg * 10) * D  # (the segment's first token)
-            k = tl.load(elem_ptr + start + t[:, None] * D + c[None, :], mask=both, other=0.0).to(tl.float32)
-            sm = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            k = tl.load(elem_ptr + start + t[:, None] * D + c[None, :], mask=both, other=0.0)
+            sm = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
             s = tl.where((member == m)[:, None] & live[None, :], sm, s)
         for m in range(n_dense, n_plain):  # compact keys, no signs
             s = _member_scores(s, q, m, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
