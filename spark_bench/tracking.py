@@ -2,7 +2,8 @@
 logs nothing). Optional extras: ``pip install 'spark-bench[wandb]'`` / ``'spark-bench[mlflow]'``.
 
 A run logs its resolved config (parameters), per config its per-task and average scores, KV bytes and ratio, the
-prefill / compression seconds, decode tokens/s and peak memory (metrics, ``<metric>/<config label>``), the
+prefill / compression seconds, decode tokens/s, peak memory and the fidelity numbers (``answer_nll``, ``kl_full``,
+``agree_full``) (metrics, ``<metric>/<config label>``), the
 planner's predicted peak, and ``table.md`` / ``scores.csv`` as artifacts. Every job of a Hydra multirun is one
 tracked run, grouped by the run name (W&B: ``group``; MLflow: the experiment), named by its output directory.
 
@@ -41,9 +42,10 @@ def _name(text: str) -> str:
 
 def metrics(scores: pd.DataFrame, predicted_peak: int | None = None) -> dict[str, float]:
     """The numbers a run logs, from its ``scores.csv``: ``score/<config>/<task>``, ``avg/<config>`` and the cost
-    per config (``kv_bytes``, ``kv_ratio``, ``prefill_s``, ``compress_s``, ``decode_tok_s``, ``peak_mem_bytes``);
+    per config (``kv_bytes``, ``kv_ratio``, ``prefill_s``, ``compress_s``, ``decode_tok_s``, ``peak_mem_bytes``), the
+    fidelity numbers per config (``answer_nll``, ``kl_full``, ``agree_full``: means over tasks);
     ``predicted_peak_bytes`` of the plan. NaN (no timing) is left out."""
-    from spark_bench.tables import cost_table
+    from spark_bench.tables import FIDELITY, cost_table
 
     out: dict[str, float] = {}
     labels = list(dict.fromkeys(scores.config))
@@ -59,6 +61,9 @@ def metrics(scores: pd.DataFrame, predicted_peak: int | None = None) -> dict[str
         out[f"compress_s/{c}"] = float(cost.loc[config, "Compress s"])
         out[f"decode_tok_s/{c}"] = float(cost.loc[config, "Decode tok/s"])
         out[f"peak_mem_bytes/{c}"] = float(cost.loc[config, "Peak MiB"] * 2 ** 20)
+        for field in FIDELITY:  # means over tasks, as avg (runs before they were measured have no column)
+            if field in part:
+                out[f"{field}/{c}"] = float(part[field].mean())
     if predicted_peak:
         out["predicted_peak_bytes"] = float(predicted_peak)
     return {k: v for k, v in out.items() if not math.isnan(v)}

@@ -31,7 +31,9 @@ def test_metrics_are_the_scores_and_the_cost(finished_run):
     assert values["kv_bytes/SnapKV_SparK_0.8_ _64"] == scores.kv_bytes.iloc[1] > 0
     assert values["decode_tok_s/Full"] > 0 and values["predicted_peak_bytes"] == 123
     assert {k.split("/")[0] for k in values} == {"score", "avg", "kv_ratio", "kv_bytes", "prefill_s", "compress_s",
-                                                  "decode_tok_s", "peak_mem_bytes", "predicted_peak_bytes"}
+                                                  "decode_tok_s", "peak_mem_bytes", "predicted_peak_bytes",
+                                                  "answer_nll", "kl_full", "agree_full"}
+    assert values["kl_full/Full"] == 0 and values["agree_full/Full"] == 1 and values["answer_nll/Full"] > 0
 
 
 def test_mlflow_file_store_round_trip(finished_run, monkeypatch):
