@@ -24,7 +24,7 @@ import socket
 from contextlib import contextmanager
 from pathlib import Path
 
-TIMING_FIELDS = ("prefill_s", "compress_s", "decode_s", "peak_mem_bytes")
+TIMING_FIELDS = ("prefill_s", "compress_s", "decode_s", "peak_mem_bytes", "warmup_s")
 
 
 class ResultsMismatch(ValueError):
@@ -184,6 +184,15 @@ class ResultsDir:
                 atomic_write(self.timings, "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in timings
                                                    if (t["id"], t["config"]) in kept))
         return said
+
+    def note_fast_paths(self, record: dict) -> None:
+        """Keep in the manifest which decode paths produced this session's predictions (``fast_paths``: one record
+        per session that computed some, :meth:`~spark_bench.engine.fastpaths.FastPaths.record`); not part of the
+        fingerprint."""
+        manifest = self.path / "manifest.json"
+        old = read_manifest(manifest)
+        atomic_write(manifest, json.dumps({**old, "fast_paths": [*old.get("fast_paths", []), record]}, indent=1,
+                                          sort_keys=True, default=str))
 
     def _holds_predictions(self) -> bool:
         return self.predictions.exists() and b"\n" in self.predictions.read_bytes()

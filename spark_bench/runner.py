@@ -16,6 +16,7 @@ from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.metrics import score
 from spark_bench.engine.clock import mapped_large_blocks, peak_memory, reset_peak, return_freed_memory
 from spark_bench.engine.decode import DecodeRow, decode_rows
+from spark_bench.engine.fastpaths import FastPaths, begin_run
 from spark_bench.engine.fidelity import Fidelity, ForcedRow, measure
 from spark_bench.benchmarks.reference import reference_ids
 from spark_bench.engine.prefill import Prefill
@@ -53,6 +54,7 @@ class Prediction:
     decode_s: float  # this config's share of the batched decode forwards (wall time / rows in the batch, per step)
     peak_mem_bytes: int  # peak memory of its decode batch (prefill + compression + decode) over the model's devices
     # (CUDA: max allocated; CPU: the process's peak resident set), see :mod:`spark_bench.engine.clock`
+    warmup_s: float = 0.0  # its share of the first uses of fast-path variants in its batch (compile, run-time check)
 
 
 def _prefill(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> Prefill:
@@ -86,7 +88,7 @@ def _fidelity(lm: LoadedModel, sample: Sample, rows: list[DecodeRow], pipelines:
 def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                 decode_batch: int | None = None, decode_stack: bool = True,
                 decode_graph: bool = True, sweep: list[Pipeline] | None = None,
-                full_tokens: dict | None = None) -> list[list[Prediction]]:
+                full_tokens: dict | None = None, checks: FastPaths | None = None) -> list[list[Prediction]]:
     """Prefill each sample once, compress it under each of its pipelines and decode all the compressed caches
     together — ``decode_batch`` rows per batch (None: every row of ``work`` in one batch; 1: one at a time) — then
     score, and measure each row's fidelity (``answer_nll``, ``kl_full``, ``agree_full``) in one teacher-forced pass
@@ -102,7 +104,8 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
     ``sweep``: every pipeline of the sweep (default: each sample's own); the fidelity pass runs all of them, so a
     sample resumed with some configs already done (``repair``) gets the numbers of a whole run: the done configs are
     compressed again (not decoded) and ``full_tokens`` (sample id → the done full row's tokens) gives the full
-    cache's continuation."""
+    cache's continuation. ``checks``: the run's record of its fast paths (:mod:`~spark_bench.engine.fastpaths`),
+    each checked at its first use."""
     plan = [(i, pipeline) for i, (_, pipelines) in enumerate(work) for pipeline in pipelines]
     last = {i: k for k, (i, _) in enumerate(plan)}  # the plan index of each sample's last row
     size = decode_batch or len(plan)
@@ -132,7 +135,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                 if k == last[i]:
                     del prefills[i], selections[i]
         return_freed_memory()  # what compression freed, before decoding allocates its tail
-        decode_rows(lm.model, rows, stack=decode_stack, release=False, graph=decode_graph)
+        decode_rows(lm.model, rows, stack=decode_stack, release=False, graph=decode_graph, checks=checks)
         peak = peak_memory(lm.devices)
         for k, ((i, pipeline), measured, row) in enumerate(zip(chunk, built, rows), first):
             done_rows.setdefault(i, []).append((pipeline, measured, row, peak))
@@ -154,7 +157,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                     kv_bytes_full=dense_bytes, key_ratio=key_ratio, length=sample.meta.get("length"),
                     answer_nll=_stored(f.answer_nll), kl_full=_stored(f.kl_full), agree_full=_stored(f.agree_full),
                     kl_tokens=f.kl_tokens, prefill_s=prefill_s, compress_s=compress_s, decode_s=row.forward_s,
-                    peak_mem_bytes=peak))
+                    peak_mem_bytes=peak, warmup_s=row.warmup_s))
                 row.cache = None
     return out
 
@@ -176,12 +179,14 @@ def default_payload(lm: LoadedModel, samples: list[Sample], configs: list[Method
 def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig], out_dir: Path,
               payload: dict | None = None, progress: bool = True, decode_batch: int | None = None,
               decode_samples: int = 1, decode_stack: bool = True,
-              decode_graph: bool = True) -> pd.DataFrame:
+              decode_graph: bool = True, checks: FastPaths | None = None) -> pd.DataFrame:
     """Run every config on every sample into ``out_dir`` (``predictions.jsonl``, ``timings.jsonl``, ``scores.csv``,
     ``table.md``). Finished (sample, config) pairs already in ``out_dir`` are kept, not recomputed. Progress and
     status go to this module's logger (:class:`~spark_bench.logs.Progress`; ``progress=False``: none).
     ``decode_samples`` samples at a time decode their method configs together, ``decode_batch`` rows per batch
-    (None = all of them); the tokens depend on neither."""
+    (None = all of them); the tokens depend on neither. ``checks``: the run's fast-path record (default: every variant
+    checked at its first use); which path produced the numbers goes to ``manifest.json`` (``fast_paths``) and the
+    log."""
     if decode_batch is not None and (not isinstance(decode_batch, int) or decode_batch < 1):
         raise ValueError(f"decode_batch must be a positive integer or null (all configs), got {decode_batch!r}")
     if not isinstance(decode_samples, int) or decode_samples < 1:
@@ -202,13 +207,14 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
     work = [(s, todo) for s, todo in work if todo]
     bar = Progress(len(samples), out_dir.name, initial=len(samples) - len(work), logger=LOG, enabled=progress)
     new_tokens, decode_seconds = 0, 0.0
+    checks = begin_run(checks)  # the run's record: its decode batches and scoring passes check each variant once
     full = next((p.label for p in pipelines if p.config.name == "full"), None)
     if full is None:
         LOG.warning(NO_FULL)
     full_tokens = {s.id: done[s.id, full]["tokens"] for s, _ in work if (s.id, full) in done}
     for group in (work[i:i + decode_samples] for i in range(0, len(work), decode_samples)):
         for sample_records in run_samples(lm, group, decode_batch, decode_stack, decode_graph, pipelines,
-                                          full_tokens):
+                                          full_tokens, checks):
             records = [p.__dict__ for p in sample_records]
             results.append(records)  # one durable append per sample
             for r in records:
@@ -220,6 +226,10 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
                 LOG.debug(f"{records[0]['id']} ({records[0]['prompt_length']} tok): "
                     + ", ".join(f"{r['config']}={r['score']:.0f}" for r in records))
     bar.close()
+    if work:  # which paths computed this session's numbers (a resumed run keeps each session's record)
+        results.note_fast_paths(checks.record())
+        LOG.info(f"decode: {checks.summary()}; first uses (compile and check) {checks.seconds:.2f} s, not in the "
+                 "decode tok/s")
     ordered = [done[s.id, label] for s in samples for label in labels]
     predictions = pd.DataFrame([{**r, **{k: timing.get((r["id"], r["config"]), {}).get(k, float("nan"))
                                          for k in TIMING_FIELDS}} for r in ordered])

@@ -18,9 +18,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from spark_bench.storage import dispatch
 from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
-from spark_bench.storage.dispatch import compact_backend, compact_logits, reference_logits
+from spark_bench.engine import fastpaths
+from spark_bench.engine.fastpaths import FastPaths
+from spark_bench.storage.dispatch import compact_backend, compact_logits, kernel_blocker, reference_logits
 from spark_bench.storage.segments import FusedTables, SegmentStack, ValueStack, store_blocker
-from spark_bench.storage.stores import DenseStore, Store
+from spark_bench.storage.stores import DenseStore, Store, UnstructuredStore
 
 ATTENTION_MODES = ("compact", "materialize")
 
@@ -59,6 +61,15 @@ def merge(parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
     out = sum(p.out * (p.peak - peak).exp() for p in parts)
     norm = sum(p.norm * (p.peak - peak).exp() for p in parts)
     return (out / norm).to(dtype)
+
+
+def exact_keys(store: Store) -> torch.Tensor:
+    """A key store's keys in float32 as the compact kernels compute them: a SparK store's recovered entries in float32
+    (``materialize`` rounds them to the store's dtype), every other store's keys converted exactly."""
+    if isinstance(store, UnstructuredStore):
+        mask = store.kept_mask()
+        return store.recovery.fill(mask, torch.float32).masked_scatter(mask, store.kept.float())
+    return store.materialize().float()
 
 
 def tail_attention(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_len: int) -> Partial:
@@ -252,8 +263,11 @@ class BatchedLayer(CacheLayerMixin):
     is_compileable = False
     work_bytes = 256 * 2 ** 20  # bound on a suffix's per-call float32 scores / partials (query rows go in chunks)
 
-    def __init__(self, rows: list[StoredLayer], capacity: int, stack: bool = True, mode: str = "compact"):
+    def __init__(self, rows: list[StoredLayer], capacity: int, stack: bool = True, mode: str = "compact",
+                 fast_paths: FastPaths | None = None):
         super().__init__()
+        self.fast_paths = fastpaths.current() if fast_paths is None else fast_paths  # the run's checks
+        self.reference = False  # True once a kernel differed from its reference: every row on the reference path
         first = rows[0].value_store
         b, h, _, d = first.shape
         device = store_device(first)  # this layer's own device (under a device map, not the model's first one)
@@ -375,15 +389,100 @@ class BatchedLayer(CacheLayerMixin):
         r, hq, q_len, d = query.shape
         h = self.tail_keys.shape[1]
         grouped = query.reshape(r, h, hq // h * q_len, d)
-        if self.stacked and self.backend == "triton":  # the kernels scale the queries in float32 themselves
-            out = self._attend_fused(grouped, scaling, q_len)
-        elif not self.stacked:  # (every row with mode="materialize")
-            out = self._attend_rows(_scaled(grouped, scaling), q_len, mode)
+        if not self.reference and not self.fast_paths.on("kernel"):  # a kernel differed from its reference
+            self._to_reference()
+        if self.reference:
+            out = self._attend_rows(_scaled(grouped, scaling), q_len, "materialize")
         else:
-            out = self._attend_cpu(_scaled(grouped, scaling), q_len)
+            variant = self._variant(grouped, q_len, mode)
+            if variant is not None and self.fast_paths.due(variant):
+                out = self._attend_checked(variant, grouped, scaling, q_len, mode)
+            else:
+                out = self._attend_fast(grouped, scaling, q_len, mode)
         if out.dtype != query.dtype:
             out = out.to(query.dtype)
         return out.view(r, hq, q_len, d).transpose(1, 2)
+
+    def _attend_fast(self, grouped: torch.Tensor, scaling: float, q_len: int, mode: str) -> torch.Tensor:
+        if self.stacked and self.backend == "triton":  # the kernels scale the queries in float32 themselves
+            return self._attend_fused(grouped, scaling, q_len)
+        if not self.stacked:  # (every row with mode="materialize")
+            return self._attend_rows(_scaled(grouped, scaling), q_len, mode)
+        return self._attend_cpu(_scaled(grouped, scaling), q_len)
+
+    def _kernel_rows(self) -> list[int]:
+        """The rows whose prompt attention a compiled kernel computes: the fused kernel's stacked rows on CUDA; on
+        the CPU every row whose key store the C++ kernel serves (stacked, or through its one-store table)."""
+        if self.backend == "triton":
+            return list(self.stacked)
+        device = self.tail_keys.device
+        return [i for i, row in enumerate(self.rows) if kernel_blocker(row.key_store, device) is None]
+
+    def _variant(self, grouped: torch.Tensor, q_len: int, mode: str) -> str | None:
+        """The kernel specialisation this attention runs (None: no compiled kernel computes any row): backend,
+        dtype, head dim, heads per work item (fused kernel), a one-token step or a suffix."""
+        if mode != "compact" or not self._kernel_rows():
+            return None
+        dtype, d = str(grouped.dtype).removeprefix("torch."), grouped.shape[-1]
+        step = "one-token step" if q_len == 1 else "suffix"
+        if self.stacked and self.backend == "triton":
+            from spark_bench.storage.triton_decode import launch_shape
+
+            return f"fused kernel ({dtype}, D={d}, {launch_shape(grouped.shape[2])[1]} heads per work item, {step})"
+        return f"C++ kernels ({'stacked' if self.stacked else 'per row'}, {dtype}, D={d}, {step})"
+
+    def _attend_checked(self, variant: str, grouped: torch.Tensor, scaling: float, q_len: int,
+                        mode: str) -> torch.Tensor:
+        """The fast path's first use in the run: its output, compared with :meth:`_reference` on the kernel's rows
+        (:class:`~spark_bench.engine.fastpaths.FastPaths`); on a mismatch every row of this layer (and, through the
+        run's record, of every layer) goes to the reference path, this step included."""
+        checks, start = self.fast_paths, self.fast_paths.seconds
+        rows, b = self._kernel_rows(), self.batch_rows
+        with checks.timed(self.tail_keys):
+            out = self._attend_fast(grouped, scaling, q_len, mode)
+            reference = self._reference(_scaled(grouped, scaling), q_len, rows)
+            fast = torch.cat([out[i * b:(i + 1) * b] for i in rows])
+        if checks.judge("kernel", variant, fast, reference, out.dtype, checks.seconds - start):
+            return out
+        self._to_reference()
+        return self._attend_rows(_scaled(grouped, scaling), q_len, "materialize")
+
+    def _reference(self, grouped: torch.Tensor, q_len: int, rows: list[int]) -> torch.Tensor:
+        """float32 attention of ``rows`` (``grouped``: the scaled float32 queries of every row) with each row's keys
+        rebuilt as the kernels compute them (:func:`exact_keys`), AdaKV's padding masked, the prompt's softmax
+        merged with the decoded tail's (:class:`Partial`, :func:`merge`); the prompt's query rows in chunks bounded by
+        :attr:`work_bytes`."""
+        b, outs = self.batch_rows, []
+        for i in rows:
+            row, part = self.rows[i], slice(i * b, (i + 1) * b)
+            q = grouped[part]
+            keys, values, valid = exact_keys(row.key_store), row.value_store.materialize(), row.valid()
+            n, h, g, _ = q.shape
+            step = max(1, min(g, self.work_bytes // max(1, n * h * keys.shape[-2] * 4)))
+            pieces = []
+            for g0 in range(0, g, step):
+                scores = q[:, :, g0:g0 + step] @ keys.transpose(-1, -2)
+                if valid is not None:
+                    scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+                pieces.append(Partial.of(scores, values))
+            prompt = pieces[0] if len(pieces) == 1 else Partial(*(torch.cat([getattr(p, k) for p in pieces], dim=2)
+                                                                  for k in ("out", "norm", "peak")))
+            tail = tail_attention(q, self.tail_keys[part, :, :self.length], self.tail_values[part, :, :self.length],
+                                  q_len)
+            outs.append(merge([prompt, tail], torch.float32))
+        return torch.cat(outs)
+
+    def _to_reference(self) -> None:
+        """Every row of this layer on the per-row reference path from now on (keys rebuilt, float32 matmuls): the
+        step's own tokens, which the fused kernel would have written, go into the tail here."""
+        if self.pending is not None and self.kernel_writes_tail:
+            new_k, new_v = self.pending
+            n = new_k.shape[-2]
+            self.tail_keys[:, :, self.length - n:self.length] = new_k
+            self.tail_values[:, :, self.length - n:self.length] = new_v
+        self.reference = True
+        self.backend = "no: the reference path (a kernel differed from it)"
+        self._arrange([])
 
     def _rows_of(self, x: torch.Tensor, index, rows: list[int]) -> torch.Tensor:
         if index is not None:
@@ -547,16 +646,19 @@ class BatchedCache(Cache):
     """The rows of one decode batch (each a :class:`CompressedCache`, e.g. every method config of a sample), seen
     by the model as one batch-``R`` cache. ``capacity``: most tokens any row will run through it."""
 
-    def __init__(self, caches: list[CompressedCache], capacity: int, stack: bool = True, consume: bool = False):
+    def __init__(self, caches: list[CompressedCache], capacity: int, stack: bool = True, consume: bool = False,
+                 fast_paths: FastPaths | None = None):
         """``consume``: hand each row cache's layer over as soon as it is batched (``caches`` are unusable after),
-        so building the batch never holds a layer's stores twice."""
+        so building the batch never holds a layer's stores twice. ``fast_paths``: the run's record of its fast paths
+        (:mod:`~spark_bench.engine.fastpaths`; default: the current one, :func:`~.fastpaths.current`)."""
         modes = {c.attention for c in caches}
         if len(modes) != 1:
             raise ValueError(f"one decode batch cannot mix attention modes {sorted(modes)}")
         mode = modes.pop()
+        self.fast_paths = fastpaths.current() if fast_paths is None else fast_paths
         layers = []
         for i in range(len(caches[0].layers)):
-            layers.append(BatchedLayer([c.layers[i] for c in caches], capacity, stack, mode))
+            layers.append(BatchedLayer([c.layers[i] for c in caches], capacity, stack, mode, self.fast_paths))
             if consume:
                 for c in caches:
                     c.layers[i] = None
@@ -568,9 +670,16 @@ class BatchedCache(Cache):
             layer.keep(rows)
 
     def graph_blocker(self) -> str | None:
-        """Why a decode step of this batch cannot be captured in a CUDA graph (None: it can): every layer must run
-        the fused kernel (static shapes, the tail length on the device) with no row on the per-row path (its
-        tail is sliced at the host's length), on CUDA."""
+        """Why a decode step of this batch cannot be captured in a CUDA graph (None: it can): graphs not switched
+        off in this run (a replay differed from its eager step); every layer on one device (a graph captures one
+        device's stream: under a device map the layers' launches go to several); every layer running the fused
+        kernel (static shapes, the tail length on the device) with no row on the per-row path (its tail is sliced at
+        the host's length), on CUDA."""
+        if not self.fast_paths.on("graph"):
+            return f"graphs are off in this run ({self.fast_paths.off['graph']} differed from its eager step)"
+        devices = list(dict.fromkeys(layer.tail_keys.device for layer in self.layers))
+        if len(devices) > 1:
+            return f"the layers span {len(devices)} devices ({', '.join(map(str, devices))})"
         for layer in self.layers:
             if layer.backend != "triton":
                 return f"layer on the {layer.backend} backend (graphs need the fused CUDA kernel)"
@@ -584,6 +693,13 @@ class BatchedCache(Cache):
         """A replayed step wrote ``n`` tokens on the device: advance the host-side lengths to match."""
         for layer in self.layers:
             layer.length += n
+
+    def rewind(self, n: int) -> None:
+        """Undo a step of ``n`` tokens the fused kernels wrote (host and device lengths), so the same step can run
+        again over the same tail slots (a replay checked against an eager step, :mod:`~.fastpaths`)."""
+        for layer in self.layers:
+            layer.length -= n
+            layer.length_t.sub_(n)
 
     def host_lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]

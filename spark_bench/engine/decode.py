@@ -22,6 +22,7 @@ from torch import nn
 
 from spark_bench.engine.attention import compressed_attention_enabled
 from spark_bench.engine.cache import BatchedCache, CompressedCache
+from spark_bench.engine.fastpaths import FastPaths, current
 
 
 def choose_all(logits: torch.Tensor, rows: list["DecodeRow"], bans: dict | None = None) -> tuple[torch.Tensor,
@@ -61,7 +62,8 @@ class DecodeRow:
     min_new_tokens: int = 0
     suffix: tuple[int, ...] = ()
     tokens: list[int] = field(default_factory=list)
-    forward_s: float = 0.0  # this row's share of the batched forward passes (seconds)
+    forward_s: float = 0.0  # this row's share of the batched decode (forwards, batch building, keep, captures: s)
+    warmup_s: float = 0.0   # its share of the first uses of fast-path variants (compile, run-time check: s)
 
 
 def _step_rows(rows: list[DecodeRow], pending: list[int]) -> list[int]:
@@ -84,18 +86,22 @@ def _input_device(model: nn.Module) -> torch.device:
 class StepGraph:
     """One decode step of a fixed batch captured in a CUDA graph (``decode_graph``) and replayed: static input
     buffers (ids, positions), the model's forward up to the last logits. Every kernel of the step reads the tail
-    length from the device (the fused kernel advances it), so a replay is the next step. Captured on the batch's
-    second step (the first built the kernel tables and compiled the kernels, and warmed the allocator), again after
-    rows stop (the batch changed shape). Only for batches :meth:`BatchedCache.graph_blocker` clears."""
+    length from the device (the fused kernel advances it), so a replay is the next step. Captured on a batch's second
+    step (the first built the kernel tables and compiled and checked the kernels, and warmed the allocator), and
+    again when the batch shrinks to a smaller width (:func:`_width`). Only for batches
+    :meth:`BatchedCache.graph_blocker` clears. ``variant``: what the run's check records (one per width, its first
+    replay compared with an eager step, :mod:`~spark_bench.engine.fastpaths`)."""
 
     def __init__(self, model: nn.Module, cache: BatchedCache, ids: torch.Tensor, positions: torch.Tensor):
         self.ids, self.positions = ids.clone(), positions.clone()
         self.graph = torch.cuda.CUDAGraph()
+        self.variant = f"CUDA graph of a {ids.shape[0]}-row step"
         lengths = cache.host_lengths()
         try:
             with torch.cuda.graph(self.graph):
                 out = model(input_ids=self.ids, position_ids=self.positions, past_key_values=cache,
                             compressed_cache=cache, use_cache=True, logits_to_keep=1)
+                self.dtype = out.logits.dtype
                 self.logits = out.logits[:, -1].float()
         finally:
             cache.set_host_lengths(lengths)  # capture ran the Python once and no kernel: replays advance both
@@ -108,22 +114,51 @@ class StepGraph:
         return self.logits
 
 
+def _eager(model: nn.Module, cache: BatchedCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, position_ids=positions, past_key_values=cache, compressed_cache=cache,
+                 use_cache=True, logits_to_keep=1).logits[:, -1].float()
+
+
+def _checked_replay(model: nn.Module, cache: BatchedCache, ids: torch.Tensor, positions: torch.Tensor,
+                    graph: StepGraph) -> torch.Tensor:
+    """A graph's first replay in the run, compared with an eager step over the same inputs (the step rewound: the
+    eager kernels write the same tail slots again); the eager logits when they differ (graphs then stay off)."""
+    checks = cache.fast_paths
+    replayed = graph(cache, ids, positions).clone()
+    start = checks.seconds
+    with checks.timed(replayed):
+        cache.rewind(ids.shape[1])
+        eager = _eager(model, cache, ids, positions)
+    return replayed if checks.judge("graph", graph.variant, replayed, eager, graph.dtype,
+                                    checks.seconds - start) else eager
+
+
+def _charge(rows: list[DecodeRow], paying: list[int], seconds: float, warmup: float = 0.0) -> None:
+    """Share ``seconds`` of decode time (and ``warmup`` seconds of first uses) among the rows ``paying``."""
+    for i in paying:
+        rows[i].forward_s += seconds / len(paying)
+        rows[i].warmup_s += warmup / len(paying)
+
+
 def _forward(model: nn.Module, rows: list[DecodeRow], live: list[int], cache: BatchedCache, ids: torch.Tensor,
-             positions: torch.Tensor, bans: dict | None = None, graph: StepGraph | None = None) -> tuple[
-                 torch.Tensor, list[int]]:
-    """One forward of ``ids (R, n)`` at ``positions (R, n)`` (device tensors, one row per live row) through the
-    batch (or a replay of ``graph``); each live row's choice, on the device and on the host. The one host read at
-    the end also makes the timing true on an asynchronous device."""
-    start = time.perf_counter()
-    if graph is not None:
+             positions: torch.Tensor, bans: dict | None = None, graph: StepGraph | None = None,
+             paying: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """One forward of ``ids (R, n)`` at ``positions (R, n)`` (device tensors, one per batch row; ``live[j]``: the
+    row of batch row ``j``) through the batch (or a replay of ``graph``); each batch row's choice, on the device and
+    on the host. The one host read at the end also makes the timing true on an asynchronous device. The time is
+    shared by the rows ``paying`` (default ``live``: rows kept as no-ops pay nothing); the first uses of fast paths
+    inside it (compile and check) go to the rows' ``warmup_s`` instead."""
+    checks = cache.fast_paths
+    start, warm = time.perf_counter(), checks.seconds
+    if graph is not None and checks.due(graph.variant):
+        logits = _checked_replay(model, cache, ids, positions, graph)
+    elif graph is not None:
         logits = graph(cache, ids, positions)
     else:
-        logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, compressed_cache=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        logits = _eager(model, cache, ids, positions)
     chosen, host = choose_all(logits, [rows[i] for i in live], bans)
-    elapsed = time.perf_counter() - start
-    for i in live:
-        rows[i].forward_s += elapsed / len(live)
+    elapsed, warm = time.perf_counter() - start, checks.seconds - warm
+    _charge(rows, live if paying is None else paying, elapsed - warm, warm)
     return chosen, host
 
 
@@ -141,17 +176,31 @@ def graph_step(model: nn.Module, cache: BatchedCache, ids: torch.Tensor, positio
         return None
 
 
+def _width(live: int, width: int) -> int:
+    """The batch width to keep for ``live`` rows still generating when steps are graphed: the next power of two
+    (rows that stopped fill it as no-ops), never wider than now. A batch of R rows is captured at most
+    ``log2 R + 1`` times, not once per row that stops."""
+    return min(width, 1 << max(live - 1, 0).bit_length())
+
+
 @torch.inference_mode()
 def decode_rows(model: nn.Module, rows: list[DecodeRow], stack: bool = True,
-                release: bool = False, graph: bool = True) -> list[DecodeRow]:
+                release: bool = False, graph: bool = True, checks: FastPaths | None = None) -> list[DecodeRow]:
     """Greedy-decode every row together (one forward per step over the rows still generating; rows with suffixes
-    of different lengths decode in separate batches); fills ``row.tokens`` and ``row.forward_s``. Attention reads
-    each row's compressed stores (:mod:`spark_bench.engine.attention`); ``stack`` (``decode_stack``) lets rows of
-    kinds a compact kernel serves share one kernel call per layer (:class:`~spark_bench.engine.cache.BatchedLayer`).
-    ``release``: the batch consumes each row's own cache layer by layer while it is built and the rows drop it (the
-    batch's stacks hold what decoding reads), so decoding never holds the compressed caches twice. ``graph``
-    (``decode_graph``): replay each step from a CUDA graph where the batch allows (:class:`StepGraph`); the
-    tokens are the same either way."""
+    of different lengths decode in separate batches); fills ``row.tokens``, ``row.forward_s`` and ``row.warmup_s``.
+    Attention reads each row's compressed stores (:mod:`spark_bench.engine.attention`); ``stack`` (``decode_stack``)
+    lets rows of kinds a compact kernel serves share one kernel call per layer
+    (:class:`~spark_bench.engine.cache.BatchedLayer`). ``release``: the batch consumes each row's own cache layer by
+    layer while it is built and the rows drop it (the batch's stacks hold what decoding reads), so decoding never
+    holds the compressed caches twice. ``graph`` (``decode_graph``): replay each step from a CUDA graph where the
+    batch allows (:class:`StepGraph`); the tokens are the same either way. ``checks``: the run's
+    :class:`~spark_bench.engine.fastpaths.FastPaths` (default: the current one), each fast path checked at its first
+    use.
+
+    ``forward_s`` is the time the rows wait for while decoding: the forwards, building the batch, dropping stopped
+    rows (``keep``) and graph captures; ``warmup_s`` the first use of each fast-path variant (its compile, its check
+    against the reference)."""
+    checks = current() if checks is None else checks
     by_suffix: dict[int, list[DecodeRow]] = {}
     for row in rows:
         if not row.suffix and row.first_logits is None:
@@ -159,61 +208,81 @@ def decode_rows(model: nn.Module, rows: list[DecodeRow], stack: bool = True,
         by_suffix.setdefault(len(row.suffix), []).append(row)
     for group in by_suffix.values():
         order = BatchedCache.order([row.cache for row in group], stack)
-        _decode_batch(model, [group[i] for i in order], stack, release, graph)
+        _decode_batch(model, [group[i] for i in order], stack, release, graph, checks)
     return rows
 
 
-def _decode_batch(model: nn.Module, rows: list[DecodeRow], stack: bool, release: bool, graph: bool) -> None:
+def _decode_batch(model: nn.Module, rows: list[DecodeRow], stack: bool, release: bool, graph: bool,
+                  checks: FastPaths) -> None:
     n = len(rows[0].suffix)
     device = _input_device(model)
-    live = list(range(len(rows)))
     cache = None
     if n:
+        start = time.perf_counter()
         cache = BatchedCache([row.cache for row in rows], n + max(row.max_new_tokens for row in rows), stack,
-                             consume=release)
+                             consume=release, fast_paths=checks)
         if release:
             for row in rows:
                 row.cache = None
+        _charge(rows, list(range(len(rows))), time.perf_counter() - start)
         ids = torch.tensor([list(row.suffix) for row in rows], device=device)
         positions = torch.tensor([[row.position + k for k in range(n)] for row in rows], device=device)
         with compressed_attention_enabled(model):
-            chosen, first = _forward(model, rows, live, cache, ids, positions)
+            chosen, first = _forward(model, rows, list(range(len(rows))), cache, ids, positions)
     else:
         logits = torch.stack([row.first_logits.reshape(-1) for row in rows]).float()
         chosen, first = choose_all(logits, rows)
     going = _step_rows(rows, first)
     if not going:
         return
+    start = time.perf_counter()
     if cache is None:
         cache = BatchedCache([rows[i].cache for i in going], max(rows[i].max_new_tokens for i in going), stack,
-                             consume=release)
+                             consume=release, fast_paths=checks)
         if release:
             for row in rows:
                 row.cache = None
     elif len(going) < len(rows):
         cache.keep(going)
-    live = going
+    members = going  # batch row j decodes rows[members[j]]; active[j]: still generating (else a no-op row)
+    active = [True] * len(members)
     chosen = chosen.to(device)
     index = None if len(going) == len(rows) else torch.tensor(going, device=chosen.device)
     ids = (chosen if index is None else chosen.index_select(0, index)).unsqueeze(-1)
-    positions = torch.tensor([[rows[i].position + n + len(rows[i].tokens) - 1] for i in live], device=device)
+    positions = torch.tensor([[rows[i].position + n + len(rows[i].tokens) - 1] for i in members], device=device)
+    _charge(rows, members, time.perf_counter() - start)
+    graphed = graph and cache.graph_blocker() is None  # steps will be captured: stopped rows wait as no-ops
     bans: dict = {}
     step, captured = 0, None
     with compressed_attention_enabled(model):
-        while live:
-            if step == 1 and captured is None:  # the first step built the tables and compiled the kernels
+        while True:
+            live = [members[j] for j, a in enumerate(active) if a]
+            if step == 1 and captured is None and graphed:  # the first step built the tables, compiled the kernels
+                start = time.perf_counter()
                 captured = graph_step(model, cache, ids, positions, graph)
-            chosen, pending = _forward(model, rows, live, cache, ids, positions, bans, captured)
-            going = _step_rows([rows[i] for i in live], pending)
+                _charge(rows, live, time.perf_counter() - start)
+            chosen, pending = _forward(model, rows, members, cache, ids, positions, bans, captured, live)
+            if checks.off and graphed and (not checks.on("graph") or cache.graph_blocker() is not None):
+                graphed, captured = False, None  # a fast path differed from its reference: eager steps from now
+            now = [j for j, a in enumerate(active) if a]
+            still = [now[k] for k in _step_rows([rows[members[j]] for j in now], [pending[j] for j in now])]
             step += 1
-            if len(going) < len(live):
-                if not going:
-                    break
-                cache.keep(going)
-                index = torch.tensor(going, device=chosen.device)
-                chosen, positions = chosen.index_select(0, index), positions.index_select(0, index)
-                live = [live[j] for j in going]
-                step, captured = 0, None  # the batch changed shape: one eager step, then capture again
+            if not still:
+                break
+            if len(still) < len(now):
+                kept = set(still)
+                width = _width(len(still), len(members)) if graphed else len(still)
+                if width < len(members):
+                    start = time.perf_counter()
+                    keep = sorted(still + [j for j in range(len(members)) if j not in kept][:width - len(still)])
+                    cache.keep(keep)
+                    index = torch.tensor(keep, device=chosen.device)
+                    chosen, positions = chosen.index_select(0, index), positions.index_select(0, index)
+                    members, active = [members[j] for j in keep], [j in kept for j in keep]
+                    _charge(rows, [members[j] for j, a in enumerate(active) if a], time.perf_counter() - start)
+                    step, captured = 0, None  # the batch changed width: one eager step, then capture again
+                else:
+                    active = [j in kept for j in range(len(members))]
             ids = chosen.unsqueeze(-1)
             positions = positions + 1
 

@@ -24,7 +24,7 @@ from spark_bench.report.frame import completeness, read_paper_csv, read_runs, re
 from spark_bench.report.layouts import LAYOUTS, Layout
 from spark_bench.report.paper import paper_table, paper_tables
 from spark_bench.report.render import to_csv, to_latex, to_markdown
-from spark_bench.report.setup import sample_note
+from spark_bench.report.setup import fast_path_note, sample_note
 
 LOG = logging.getLogger(__name__)
 FORMATS = {"md": to_markdown, "csv": to_csv, "tex": to_latex}
@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         fewest = predictions[predictions.run == i].groupby(["config", "task"], sort=False).size().groupby(
             "task", sort=False).min()
         notes.append(sample_note(run, fewest.to_dict()))
+        notes.append(fast_path_note(run))  # which decode paths computed its numbers
     header = "".join(f"**{line[0].upper()}{line[1:]}**\n\n" for line in incomplete)
     header += "".join(f"{line}\n\n" for line in notes if line)
     header += "".join(f"{line}\n\n" for line in setups if line)

@@ -67,6 +67,17 @@ def sample_note(directory, counts: dict) -> str:
     return f"{directory}: samples per cell below the paper's: {listed}" if below else ""
 
 
+def fast_path_note(directory) -> str:
+    """``<run>: decode: numbers from …``: which decode paths computed a run's predictions — the fast paths, checked
+    against their reference at first use, or the reference after one differed (its manifest's ``fast_paths``, one
+    record per session: :mod:`spark_bench.engine.fastpaths`); '' where the manifest does not say."""
+    path = Path(directory) / "manifest.json"
+    if not path.is_file():
+        return ""
+    said = list(dict.fromkeys(r.get("numbers_from", "") for r in read_manifest(path).get("fast_paths") or []))
+    return f"{directory}: decode: {' / '.join(said)}" if said else ""
+
+
 def paper_setup(name: str) -> tuple[Setup | None, int | None]:
     """The setup of ``--paper NAME[@PART]`` (a ``@8K`` part of the RULER appendix table: 8K input)."""
     table, _, part = name.partition("@")
