@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 
 PAPER_TARGETS = table1 table2 tab_full_llama3-8b tab_full_llama3.1-8b tab_full_llama3.1-70b tab_full_qwen3-8b \
 	tab_full_qwen3-32b tab_app_full_ruler ablation-dist ablation-variants kv-joint figure5 figure2
-.PHONY: demo test test-gpu gpu-check bench clean paper $(PAPER_TARGETS) figure2-longbench paper-shape protocols \
+.PHONY: demo test test-compat test-gpu gpu-check bench clean paper $(PAPER_TARGETS) figure2-longbench paper-shape protocols \
 	wheelhouse node-install node
 
 # The GPU goals need a CUDA device: without one they stop here, before anything is installed, in one line (exit 2)
@@ -34,6 +34,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The declared ranges are the tested ranges (scripts/compat.py): a second venv, .venv-compat, built from the index as
+# `pip install 'spark-bench[kvpress]'` resolves it (the lock is not used) over pyproject's lowest torch; the library,
+# engine, methods, kvpress and own-method tests under pyproject's lowest transformers, then under the one kvpress'
+# latest release resolves to. `make demo` / `make test` keep the lock (.venv).
+COMPAT_TESTS = tests/test_library.py tests/test_engine.py tests/test_methods.py tests/test_kvpress.py \
+	tests/test_external_method.py tests/test_docs.py::test_the_kvpress_snippet_runs
+test-compat:
+	$(PY) scripts/compat.py --venv .venv-compat $(COMPAT_TESTS)
 
 # On a CUDA machine: the model-level tests (method matrix, batched decoding, engine, compact attention) with the tiny
 # model and its caches on the GPU (tests/conftest.py reads SPARK_BENCH_TEST_DEVICE)

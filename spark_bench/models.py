@@ -213,7 +213,7 @@ def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}:4".encode())  # 4: _byte_level
     root = _cache_root() / "tokenizers"
     cached = root / key.hexdigest()[:20]
     if (cached / "tokenizer_config.json").is_file():
@@ -221,7 +221,7 @@ def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
             return AutoTokenizer.from_pretrained(cached)
         except Exception:  # noqa: BLE001 — any unreadable entry (the tokenizers library raises bare Exceptions)
             shutil.rmtree(cached, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = _byte_level(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), gguf)
     try:  # written beside, then renamed: concurrent runs never read a half-written entry
         root.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(dir=root, prefix=".partial-"))
@@ -233,6 +233,30 @@ def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
     except OSError:
         pass  # an unwritable cache only costs the conversion next time
     return tokenizer
+
+
+def _byte_level(tokenizer: PreTrainedTokenizerBase, gguf: Path) -> PreTrainedTokenizerBase:
+    """``tokenizer`` as transformers >= 5.3 converts a byte-level BPE GGUF tokenizer (``tokenizer.ggml.model =
+    gpt2``, SmolLM2's). transformers 5.0 … 5.2 convert every llama-architecture GGUF tokenizer as a SentencePiece
+    one (``GGUFLlamaConverter``: a (Code)LlamaTokenizer that adds a BOS, ends turns at ``<|im_start|>`` and, saved
+    and reloaded, encodes spaces as ``<|endoftext|>``); such a tokenizer is rebuilt with
+    transformers' own ``GGUFGPTConverter`` (the same ids, text and special tokens as 5.3's)."""
+    if "Llama" not in type(tokenizer).__name__:  # 5.0 … 5.2 give (Code)LlamaTokenizer, adding BOS, eos <|im_start|>
+        return tokenizer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.ggml import GGUFGPTConverter
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    params = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    if params["tokenizer"].get("tokenizer_type") != "gpt2":
+        return tokenizer
+    converter = GGUFGPTConverter(params["tokenizer"])
+    backend = converter.converted()
+    config = {k: v for k, v in params["tokenizer_config"].items() if k != "model_type"}
+    special = {name: backend.id_to_token(config.pop(f"{name}_id")) for name in ("bos_token", "eos_token",
+               "unk_token", "pad_token") if config.get(f"{name}_id") is not None}
+    config = {k: v for k, v in config.items() if not k.endswith("_token_id")}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **special, **converter.additional_kwargs)
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

@@ -31,6 +31,37 @@ def test_the_library_page_runs(capsys, smollm2, monkeypatch):
     assert namespace["samples"].shape[0] == 2
 
 
+def test_the_own_method_snippet_runs(capsys, smollm2, monkeypatch):
+    """docs/development.md "Your own method in one file": the class, registered by name, composes with SparK."""
+    from spark_bench import api
+    from spark_bench.methods import registry
+
+    monkeypatch.setattr(api, "load", lambda name="smollm2-135m", **kw: smollm2)
+    (block,) = python_blocks(ROOT / "docs" / "development.md")
+    namespace: dict = {}
+    try:
+        exec(compile(block, "docs/development.md", "exec"), namespace)
+    finally:
+        registry._REGISTERED.pop("top_value_norm", None)
+    assert "top_value_norm+SparK(0.8) @0.5" in capsys.readouterr().out
+    assert namespace["pruned"].kv_bytes < namespace["alone"].kv_bytes
+
+
+def test_the_kvpress_snippet_runs(capsys, smollm2, monkeypatch):
+    """docs/library.md "SparK over your kvpress press" (its ```python kvpress block), where kvpress is installed."""
+    import pytest
+
+    pytest.importorskip("kvpress", reason="kvpress is not installed here: make test-compat runs this snippet")
+    from spark_bench import api
+
+    monkeypatch.setattr(api, "load", lambda name="smollm2-135m", **kw: smollm2)
+    (block,) = re.findall(r"```python kvpress\n(.*?)```", (ROOT / "docs" / "library.md").read_text(), flags=re.S)
+    namespace: dict = {}
+    exec(compile(block, "docs/library.md", "exec"), namespace)
+    assert "kvpress:SnapKV+SparK(0.8) @0.5" in capsys.readouterr().out
+    assert namespace["pruned"].context.kv_bytes < namespace["alone"].context.kv_bytes
+
+
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 

@@ -28,10 +28,12 @@ CACHE_ATTRIBUTE = "spark_bench_cache"  # set on the key tensor a SparkCache.upda
 
 
 def compressed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                         attention_mask, dropout: float = 0.0, scaling: float | None = None,
                          compressed_cache=None, **kwargs):
-    """transformers attention-function signature; ``key``/``value`` are the step's own keys and values (read from
-    the cache's tail, not from here), or a dense cache's whole keys and values (then ``sdpa`` attends them)."""
+    """transformers attention-function signature, in ``sdpa_attention_forward``'s order (``dropout`` before
+    ``scaling``: kvpress wraps every registered function and passes ``dropout`` sixth, by position); ``key``/``value``
+    are the step's own keys and values (read from the cache's tail, not from here), or a dense cache's whole keys and
+    values (then ``sdpa`` attends them)."""
     cache = compressed_cache if compressed_cache is not None else getattr(key, CACHE_ATTRIBUTE, None)
     if cache is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

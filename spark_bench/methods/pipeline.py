@@ -193,9 +193,6 @@ class MethodConfig:
                              f"got {self.kvpress!r}")
         check_name(self.name)
         check_all({name: getattr(self, name) for name in option_names()}, OPTION_TYPES)
-        if self.eviction_name is not None and not self.eviction_name.startswith(kvpress_scorer.PREFIX) and self.kvpress:
-            raise ValueError(f"kvpress={dict(self.kvpress)}: options of a kvpress:<press> method, but the method is "
-                             f"{self.name!r}")
         for part in self.name.split("+"):  # a kvpress press or a method of one's own is built now: a bad option
             if part_kind(part) is not None and part not in EVICTION_METHODS and part not in CHANNEL_METHODS:
                 build_part(part, self)  # is refused before any model loads

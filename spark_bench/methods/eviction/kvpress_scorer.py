@@ -167,10 +167,10 @@ class PressHook:
         return self._gather(module, hidden_states, keys, values, attentions, kwargs)
 
     def _gather(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-        """Run the press' ``forward_hook`` over a one-layer stand-in cache holding ``keys`` / ``values`` and find
-        where each key it leaves came from."""
+        """Run the press' ``forward_hook`` over a one-layer stand-in cache holding copies of ``keys`` / ``values`` (the
+        prefill's own stay untouched) and find where each key it leaves came from."""
         length = keys.shape[2]
-        layer = SimpleNamespace(keys=keys, values=values)
+        layer = SimpleNamespace(keys=keys.clone(), values=values.clone())  # a press may write in place (ThinK)
         cache = SimpleNamespace(layers={module.layer_idx: layer})
         call = {**kwargs, "hidden_states": hidden_states, "past_key_values": cache,
                 "cache_position": torch.arange(length, device=keys.device)}
@@ -184,6 +184,14 @@ class PressHook:
         return kept_positions(keys, layer.keys, type(self.press).__name__)
 
 
+def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """One integer per vector of ``x (..., D)`` from its bits (a wrapping integer sum: exact, whatever the order of
+    summation, so a gathered copy gets its original's number; a float dot product may not)."""
+    bits = x.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]).to(torch.int64)
+    weights = torch.randint(1, 2 ** 62, (x.shape[-1],), generator=torch.Generator().manual_seed(0))
+    return (bits * weights.to(x.device)).sum(dim=-1)
+
+
 def kept_positions(keys: torch.Tensor, kept: torch.Tensor, who: str = "the press") -> torch.Tensor:
     """Positions ``(B, H, n)`` (ascending) of ``kept (B, H, n, D)`` among ``keys (B, H, S, D)``: every kept key must
     be one of the layer's keys, exactly (a press that gathers tokens); else ``ValueError``."""
@@ -193,10 +201,9 @@ def kept_positions(keys: torch.Tensor, kept: torch.Tensor, who: str = "the press
                          "selection of tokens")
     if kept.shape[2] == s and torch.equal(kept, keys):
         return torch.arange(s, device=keys.device).expand(b, h, s)
-    probe = torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(keys.device)
-    fingerprint = keys.double() @ probe                                   # (B, H, S): one number per key
+    fingerprint = _fingerprint(keys)                                       # (B, H, S): one number per key
     order = fingerprint.argsort(dim=-1)
-    position = torch.searchsorted(fingerprint.gather(-1, order).contiguous(), (kept.double() @ probe).contiguous())
+    position = torch.searchsorted(fingerprint.gather(-1, order).contiguous(), _fingerprint(kept))
     position = order.gather(-1, position.clamp(max=s - 1))
     found = keys.gather(2, position.unsqueeze(-1).expand(-1, -1, -1, d))
     if not torch.equal(found, kept):
