@@ -96,8 +96,7 @@ def test_default_is_the_offline_demo_sweep():
     cfg = _compose([])
     assert cfg.model.name == "smollm2-135m" and cfg.benchmark.name == "ruler"
     assert [c.label for c in method_configs(cfg)] == [
-        "Full", "SnapKV @0.5", "SnapKV+ThinK(0.5) @0.5", "SnapKV+ThinK(0.8) @0.5",
-        "SnapKV+SparK(0.5) @0.5", "SnapKV+SparK(0.8) @0.5"]
+        "Full", "ThinK(0.8)", "SparK(0.8)", "SnapKV @0.5", "SnapKV+ThinK(0.8) @0.5", "SnapKV+SparK(0.8) @0.5"]
 
 
 def test_bad_method_option_is_one_clear_error():
