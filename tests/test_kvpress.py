@@ -8,6 +8,7 @@ saying so, elsewhere; the matching of kept keys needs no kvpress and runs everyw
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import spark_bench
 from spark_bench.methods.eviction.kvpress_scorer import kept_positions
 
 SKIP = "kvpress is not installed here: make test-compat runs these (pip install 'spark-bench[kvpress]')"
+needs_kvpress = pytest.mark.skipif(importlib.util.find_spec("kvpress") is None, reason=SKIP)  # before any fixture
 TEXT = ("The secret code of the vault is 4521. Remember it well. " * 4
         + "Birds sang and the river ran all day long. " * 4 + "What is the secret code of the vault? The code is")
 
@@ -44,6 +46,7 @@ def prompt(smollm2):
     return smollm2.tokenizer(TEXT, return_tensors="pt").input_ids.to(smollm2.model.device)
 
 
+@needs_kvpress
 @pytest.mark.parametrize("make", ["KnormPress(0.5)", "SnapKVPress(0.5, window_size=16)",
                                   "ExpectedAttentionPress(0.5)"])
 def test_a_press_alone_gives_kvpress_own_tokens_and_with_spark_fewer_bytes(smollm2, prompt, make):
@@ -64,6 +67,7 @@ def test_a_press_alone_gives_kvpress_own_tokens_and_with_spark_fewer_bytes(smoll
     assert pruned.context.label == f"kvpress:{make.split('Press')[0]}+SparK(0.8) @0.5"
 
 
+@needs_kvpress
 def test_per_layer_and_composed_presses_keep_kvpress_own_tokens(smollm2, prompt):
     kvpress = pytest.importorskip("kvpress", reason=SKIP)
     model = smollm2.model
@@ -82,6 +86,7 @@ def test_per_layer_and_composed_presses_keep_kvpress_own_tokens(smollm2, prompt)
         _greedy(model, prompt, 1)
 
 
+@needs_kvpress
 def test_the_command_line_sweeps_kvpress_presses_beside_snapkv(tmp_path):
     pytest.importorskip("kvpress", reason=SKIP)
     (tmp_path / "conf" / "sweep").mkdir(parents=True)
