@@ -64,13 +64,27 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 SEG_COLS = 10   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill
 HEAD_COLS = 7   # seg_a, seg_b, split, valid_addr, slot_base, n_slots, n_tokens
 WORK_COLS = 6   # list_start, count, t_start, t_end, val_addr, chunk
-BLOCK = 32      # tokens per step of the token loop (32 × 128 channels of rebuilt keys, 0 spills at 8 warps)
+BLOCK = {2: 32, 4: 16}  # tokens per step of the token loop by element size (0 spills at 8 warps, D ≤ 128)
 ROWS = 16       # query rows per program (the dot products' M)
-NUM_WARPS = 8   # 256 threads: 105-170 registers at D=128 (2 CTAs per SM on sm_90, 1 on sm_80), no spill
+NUM_WARPS = 8   # 256 threads: ≤ 214 registers at D ≤ 128, no spill
 NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does not act on it
+# ptxas given no register limit caps these kernels at 64/80/128 registers (3-4 or 2 CTAs per SM of 256 threads) and
+# spills; stated as 255, it allocates what the code needs and spills nothing (results/bench/compile.json)
+MAX_REGISTERS = 255
 MERGE_WARPS = 4  # the merge of a decode step (a few query rows per head)
 MERGE_BLOCK = 16  # tail tokens per step of the merge
 DOT_PRECISION: tl.constexpr = tl.constexpr("ieee")  # float32 products (FMA), as the C++ kernel
+
+
+@triton.jit
+def _sqrt_rn(x):
+    """``sqrt(x)`` correctly rounded for ``x ≥ 0`` (0 for subnormal ``x``), the C++ kernel's ``std::sqrt``: CUDA's
+    ``sqrt.rn`` fast path (Markstein: ``y = x·rsqrt(x)``, one fused correction) without ``tl.sqrt_rn``'s call to its
+    slow path (special and subnormal inputs), whose calling convention made the kernels spill registers."""
+    r = tl.math.rsqrt(x)
+    y = x * r
+    y = tl.fma(tl.fma(-y, y, x), 0.5 * r, y)
+    return tl.where(x < 1.1754944e-38, 0.0, y)
 
 
 @triton.jit
@@ -119,7 +133,7 @@ def _keys(a, b, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: t
     stat = (mode == 1) | (mode == 2)
     mu = tl.load((mu_addr + local * ESIZE).to(tl.pointer_type(ELEM), bitcast=True), mask=live & stat,
                  other=0.0).to(tl.float32)
-    scale = tl.where(mode == 1, mu, tl.where(mode == 2, tl.sqrt_rn(tl.maximum(mu, 0.0)), fill))
+    scale = tl.where(mode == 1, mu, tl.where(mode == 2, _sqrt_rn(tl.maximum(mu, 0.0)), fill))
     if SIGNS:
         first = sign_bitoff + local * (D - t_kept)  # bit index of the token's first pruned sign
         phase = (first & 7).to(tl.int32)
@@ -355,15 +369,16 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
     partials = (_partials_kernel, (max(tables.n_work, 1), triton.cdiv(n, rpm)),
                 (q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, tail_len, n,
                  q.stride(0), scale, tables.n_work, advance),
-                dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK, ESIZE=elem.element_size(),
-                     VALIGN=bool(getattr(tables, "aligned", False)), num_warps=NUM_WARPS, num_stages=NUM_STAGES))
+                dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK[elem.element_size()], ESIZE=elem.element_size(),
+                     VALIGN=bool(getattr(tables, "aligned", False)), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                     maxnreg=MAX_REGISTERS))
     rm = min(triton.next_power_of_2(n), ROWS)  # a decode step's few rows: no padding to 16
     merge = (_merge_kernel, (heads, triton.cdiv(n, rm)),
              (q, tables.head, acc, ml, tail_keys, tail_values, new_keys, new_values, tail_len, out, n, q.stride(0),
               tail_keys.shape[1], q_len, g0, scale, new_keys.stride(0), new_keys.stride(1), new_values.stride(0),
               new_values.stride(1)),
              dict(D=d, D_PAD=d_pad, RM=rm, BLOCK_=MERGE_BLOCK, num_warps=MERGE_WARPS if rm <= 4 else NUM_WARPS,
-                  num_stages=1))
+                  num_stages=1, maxnreg=MAX_REGISTERS))
     return [partials, merge]
 
 
