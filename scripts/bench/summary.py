@@ -76,9 +76,9 @@ def decode_section(d: dict, title: str) -> list[str]:
     return lines
 
 
-def instructions_section(d: dict | None) -> list[str]:
+def instructions_section(d: dict | None, compiled: list | None = None) -> list[str]:
     """The fused decode's instruction budget from its machine code (``scripts/bench/instructions.py``), before and
-    after a rework, against the goals."""
+    after a rework, against the goals; the compile matrix's spills (``scripts/bench/compile.py``)."""
     if not d:
         return []
     goal = d["goal"]
@@ -105,6 +105,12 @@ def instructions_section(d: dict | None) -> list[str]:
                     f"({verdict(p['instr_per_byte_loop'] <= goal['instr_per_byte'])}) | "
                     f"{p['in_flight_per_sm'] / 1024:.1f} KB | {p['widest_load_bytes']} B | "
                     f"{p['fraction_of_bound']:.0%} ({p['limited_by']}) | {row['layer_fraction_of_bound']:.0%} |")
+    if compiled:
+        spilled = [r for r in compiled if r["spill_bytes"]]
+        lines += ["", f"- `scripts/bench/compile.py`: {len(compiled)} launched specialisations (D 64/128, bf16/fp32, "
+                  f"decode step and 16-token suffix, sm_80/sm_90) compiled as launched: {len(spilled)} spill "
+                  f"({verdict(not spilled)}); registers {min(r['registers'] for r in compiled)}–"
+                  f"{max(r['registers'] for r in compiled)}."]
     return lines
 
 
@@ -186,7 +192,7 @@ def main() -> None:
             lines.append(f"| {name} | {w['rows']} | {w['prompt']} | {w['programs']} ({w['old_programs']}) | "
                          f"{w['bytes_loaded'] / 2**20:.1f} MiB ({w['stored_bytes'] / 2**20:.1f} MiB) | {ratio:.3f} "
                          f"({verdict(ratio <= 1.1)}) | {w['old_score_traffic_bytes'] / 2**20:.1f} MiB |")
-    lines += instructions_section(load("instructions"))
+    lines += instructions_section(load("instructions"), load("compile"))
     pp = load("planner_peaks")
     if pp:
         lines += ["", "## Planner peaks on 80 GB GPUs (79 GiB given; `scripts/bench/planner_peaks.py`)", "",
