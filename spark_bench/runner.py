@@ -52,7 +52,7 @@ class Prediction:
     prefill_s: float
     compress_s: float
     decode_s: float  # this config's share of the batched decode forwards (wall time / rows in the batch, per step)
-    peak_mem_bytes: int  # peak memory of its decode batch (prefill + compression + decode) over the model's devices
+    peak_mem_bytes: int  # peak memory of its decode batch (prefill + compression + decode + the fidelity pass)
     # (CUDA: max allocated; CPU: the process's peak resident set), see :mod:`spark_bench.engine.clock`
     warmup_s: float = 0.0  # its share of the first uses of fast-path variants in its batch (compile, run-time check)
 
@@ -136,17 +136,20 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                     del prefills[i], selections[i]
         return_freed_memory()  # what compression freed, before decoding allocates its tail
         decode_rows(lm.model, rows, stack=decode_stack, release=False, graph=decode_graph, checks=checks)
-        peak = peak_memory(lm.devices)
+        finished = {}  # the fidelity numbers (by label) of the samples whose last row was in this batch
+        for k, (i, _) in enumerate(chunk, first):
+            if k == last[i]:
+                everyone, mine = sweep or work[i][1], held.pop(i)
+                finished[i] = dict(zip([p.label for p in everyone], _fidelity(
+                    lm, work[i][0], [mine[p.label] for p in everyone], everyone,
+                    (full_tokens or {}).get(work[i][0].id), decode_stack)))
+        peak = peak_memory(lm.devices)  # the batch's prefills, compression, decoding and teacher-forced passes
         for k, ((i, pipeline), measured, row) in enumerate(zip(chunk, built, rows), first):
             done_rows.setdefault(i, []).append((pipeline, measured, row, peak))
             if k != last[i]:
                 continue
             sample, (length, dense_bytes, prefill_s) = work[i][0], facts.pop(i)
-            everyone = sweep or work[i][1]
-            fidelity = dict(zip([p.label for p in everyone], _fidelity(
-                lm, sample, [held[i][p.label] for p in everyone], everyone,
-                (full_tokens or {}).get(sample.id), decode_stack)))
-            del held[i]
+            fidelity = finished[i]
             for pipeline, (compress_s, kv_bytes, key_ratio), row, peak in done_rows.pop(i):
                 text = lm.tokenizer.decode(row.tokens, skip_special_tokens=True)
                 f = fidelity[pipeline.label]

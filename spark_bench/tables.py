@@ -167,7 +167,7 @@ def paired_markdown(predictions: pd.DataFrame, labels: list[str], tasks: list[st
     from spark_bench.report import stats
 
     methods = {label: predictions[predictions.config == label].iloc[0]["method"] for label in labels}
-    lines = []
+    lines, fewest = [], None
     for label in labels:
         for base in base_label(methods[label], {k: v for k, v in methods.items() if k != label}):
             cells, n = [], 0
@@ -179,15 +179,20 @@ def paired_markdown(predictions: pd.DataFrame, labels: list[str], tasks: list[st
                     cells.append("–")
                     continue
                 p = stats.paired([x.to_numpy() for x in xs], [y.to_numpy() for y in ys]).delta
-                n = p.n
+                n, least = p.n, min(len(x) for x in xs)
+                fewest = least if fewest is None else min(fewest, least)
                 cell = f"{p.estimate:+.{digits}f} [{p.low:+.{digits}f}, {p.high:+.{digits}f}]"
-                cells.append(f"**{cell}**" if p.low > 0 or p.high < 0 else cell)
+                cells.append(f"**{cell}**" if (p.low > 0 or p.high < 0) and least >= 2 else cell)
             lines.append(f"| {label} | {base} | {n} | " + " | ".join(cells) + " |")
     if not lines:
         return ""
     head = ["Method", "vs", "n", *(name for name, _ in PAIRED_VALUES.values())]
+    caution = (f" With {fewest} paired sample(s) in the smallest task these intervals are indicative (a percentile "
+               f"bootstrap under-covers at few samples; spark-bench-report --claims decides only from 20 per task)"
+               + ("; a task with one sample has a zero-width interval, never bold" if fewest < 2 else "") + "."
+               if fewest is not None and fewest < 20 else "")
     return ("Paired on the same samples (Δ = row − the config it is compared with; 95% paired bootstrap interval, "
-            "samples resampled within each task; **bold**: the interval excludes 0):\n\n"
+            f"samples resampled within each task; **bold**: the interval excludes 0).{caution}\n\n"
             + "| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|\n" + "\n".join(lines) + "\n")
 
 

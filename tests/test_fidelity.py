@@ -28,6 +28,7 @@ def _row(prefill, config, selections, suffix=()):
     return ForcedRow(cache, prefill.first_logits, prefill.prompt_length, tuple(suffix), [])
 
 
+@torch.no_grad()
 def _plain_log_probs(model, ids, continuation):
     """A plain dense forward over prompt + continuation: the log-probabilities predicting each continuation token."""
     full = torch.cat([ids, torch.tensor([continuation], device=ids.device)], dim=1)
