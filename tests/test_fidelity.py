@@ -116,6 +116,11 @@ def test_sweep_stores_them_beside_the_score_and_says_why_kl_is_empty(tiny_lm, tm
     table = (tmp_path / "with" / "table.md").read_text()
     assert "| NLL | KL full | Agree |" in table and "sweep has no full config" not in table
     assert preds.answer_nll.notna().all()
+    from spark_bench.report import build
+    from spark_bench.report.layouts import RULER
+
+    kl = build([str(tmp_path / "with")], RULER, metric="kl_full").set_index(["method", "column"]).value
+    assert kl["Vanilla", "Avg."] == 0 and kl["Vanilla", "Niah1"] == 0 and kl["+SparK (0.8)", "Avg."] > 0
     run_sweep(tiny_lm, samples, configs[1:], tmp_path / "without", progress=False)
     records = [json.loads(line) for line in (tmp_path / "without" / "predictions.jsonl").read_text().splitlines()]
     assert all(r["kl_full"] is None and r["agree_full"] is None and r["answer_nll"] > 0 for r in records)

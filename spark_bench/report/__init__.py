@@ -51,7 +51,9 @@ def build(inputs: list[str], layout: Layout, ci: bool = False, resamples: int = 
             raise ValueError(f"--metric {metric}: not measured in {', '.join(runs)} (runs before spark-bench "
                              "measured it, or kl_full / agree_full without a full config in the sweep)")
         frame = interval_frame(samples, layout, resamples, seed, value=metric)
-        return frame if ci else frame.assign(low=float("nan"), high=float("nan"))
+        frame = frame if ci else frame.assign(low=float("nan"), high=float("nan"))
+        frame.attrs["digits"] = 3  # nats and fractions, well below 1 apart
+        return frame
     if runs and layout.name == "longbench_e":
         from spark_bench.report.compare import length_frame
 

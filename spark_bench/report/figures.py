@@ -44,7 +44,8 @@ def load_predictions(directories) -> pd.DataFrame:
         timings = Path(directory) / "timings.jsonl"
         if timings.exists():
             times = pd.DataFrame(parse_records(timings, timings.read_bytes()))
-            preds = preds.merge(times[["id", "config", *TIMING_FIELDS]], on=["id", "config"], how="left")
+            kept = [f for f in TIMING_FIELDS if f in times]  # runs before a field was timed lack it (warmup_s)
+            preds = preds.merge(times[["id", "config", *kept]], on=["id", "config"], how="left")
         preds = preds.reindex(columns=[*preds.columns, *(f for f in TIMING_FIELDS if f not in preds)])
         frames.append(preds.assign(run=i))  # the index of the run in ``directories``
     preds = pd.concat(frames, ignore_index=True)

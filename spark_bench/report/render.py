@@ -13,6 +13,7 @@ from spark_bench.report.layouts import Layout
 AVG = "Avg."
 EXTRA = ("NLL", "KL full", "Agree", "KV %", "Key ratio")  # after Avg., never averaged into it
 DIGITS = {"NLL": 3, "KL full": 3, "Agree": 3}  # fidelity numbers are well below 1 apart
+# a frame's other cells: 2 decimals (scores), or ``frame.attrs["digits"]`` (a fidelity number in the task cells)
 
 
 def _order_rows(frame: pd.DataFrame) -> list[tuple[str, str, str]]:
@@ -112,7 +113,8 @@ def to_markdown(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None 
             if block:
                 lines.append(f"| **{block}** |" + " |" * len(columns))
         lines.append(f"| {row[2]} | " + " | ".join(_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None,
-                                                        ci.get((*row, c)), (*row, c) in short, DIGITS.get(c, 2))
+                                                        ci.get((*row, c)), (*row, c) in short,
+                                                        DIGITS.get(c, frame.attrs.get("digits", 2)))
                                                   for c in columns) + " |")
     notes = []
     if short:
@@ -177,7 +179,8 @@ def to_latex(frame: pd.DataFrame, layout: Layout, paper: pd.DataFrame | None = N
                 name = latex_escape(block)
                 lines.append(rf"\midrule \multicolumn{{{len(columns) + 1}}}{{l}}{{\textit{{{name}}}}} \\")
         values = [latex_escape(_cell(cells.get((*row, c)), ref.get((*row, c)), paper is not None, ci.get((*row, c)),
-                                     (*row, c) in short, DIGITS.get(c, 2))).replace("±", r"$\pm$") for c in columns]
+                                     (*row, c) in short, DIGITS.get(c, frame.attrs.get("digits", 2))))
+                  .replace("±", r"$\pm$") for c in columns]
         lines.append(latex_escape(row[2]) + " & " + " & ".join(values) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines) + "\n"
