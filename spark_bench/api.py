@@ -28,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 
 from spark_bench.benchmarks.base import Prompt, Sample, encode_prompt
-from spark_bench.checks import CONF_DIR, protocol_options
+from spark_bench.checks import CONF_DIR, protocol_options, resolve_device
 from spark_bench.engine.compress import compress_prefill, prefill_for
 from spark_bench.engine.fidelity import ForcedRow, forced_log_probs, mean_nll
 from spark_bench.engine.generate import CompressedContext, SparkCache, check_contexts, check_vocabulary
@@ -78,7 +78,8 @@ def load(name: str = "smollm2-135m", device: str = "auto", **overrides) -> Loade
         valid = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
         raise ValueError(f"model {name!r}: no such model config (conf/model/); valid: {valid}")
     values = {**OmegaConf.to_container(OmegaConf.load(path), resolve=True), **overrides}
-    return load_model(ModelConfig.from_dict(values), device)
+    config = ModelConfig.from_dict(values)
+    return load_model(config, resolve_device(device, config))  # an absent GPU: one line, before anything loads
 
 
 def _as_prompt(value) -> Prompt:

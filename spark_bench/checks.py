@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from spark_bench.models import ModelConfig
 
@@ -19,6 +19,41 @@ CONFIG_GROUPS = ("model", "benchmark", "method", "sweep", "experiment", "protoco
 
 class ConfigError(ValueError):
     """Bad user input: reported as one line, exit code 2."""
+
+
+# keys that change how a run goes, not what it computes: left out of the default run name's hash, so a rerun that
+# changes only them (a smaller decode batch after running out of memory, another device, progress off) resumes
+OPERATIONAL_KEYS = ("run", "output_root", "dry_run", "progress", "wait_lock", "repair", "hub_timeout_s", "tracking",
+                    "export_path", "decode_batch", "decode_samples", "decode_stack", "decode_graph", "device", "shard",
+                    "memory", "analysis", "hydra")
+
+
+def config_hash(*, _root_: DictConfig) -> str:
+    """The default run name's suffix (``run: ${model.name}_${benchmark.name}_${config_hash:}``): 8 hex digits of
+    SHA-256 over the resolved configuration without :data:`OPERATIONAL_KEYS` (and without the sweep when ``method=``
+    chooses one config), so different configurations never share a default results directory and the same one
+    resumes in its own."""
+    import hashlib
+    import json
+
+    skip = set(OPERATIONAL_KEYS) | ({"sweep"} if _root_.get("method") else set())
+    values = {str(k): OmegaConf.to_container(_root_._get_node(k), resolve=True)
+              if isinstance(_root_._get_node(k), DictConfig | ListConfig) else _root_[k]
+              for k in _root_.keys() if str(k) not in skip}
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+if not OmegaConf.has_resolver("config_hash"):
+    OmegaConf.register_new_resolver("config_hash", config_hash)
+
+
+def check_inside(key: str, value, root) -> None:
+    """A path made from user input (``run=``, a sweep entry's protocol name) stays inside ``root``: relative, no
+    ``..`` part."""
+    path = Path(str(value))
+    if path.is_absolute() or ".." in path.parts:
+        raise ConfigError(f"{key}={value}: must stay inside {root} (a relative name without '..'); e.g. "
+                          f"{key}={path.name if path.name not in ('', '..') else 'my_run'}")
 
 
 # group → config names that exist besides conf/<group>/*.yaml: a search path's files and the method names Hydra's
@@ -35,8 +70,9 @@ def protocol_options(name: str) -> dict:
     """The method options ``conf/protocol/<name>.yaml`` sets (its ``longbench.protocol``, the prompt path, belongs to
     the run's samples, which every entry of a sweep shares, so a sweep entry cannot change it)."""
     path = CONF_DIR / "protocol" / f"{name}.yaml"
-    if not path.is_file():
-        valid = ", ".join(sorted(p.stem for p in (CONF_DIR / "protocol").glob("*.yaml")))
+    names = sorted(p.stem for p in (CONF_DIR / "protocol").glob("*.yaml"))
+    if name not in names:  # a name, never a path (``../method/full`` would read another group's file)
+        valid = ", ".join(names)
         raise ValueError(f"protocol {name!r}: no such protocol config (conf/protocol/); valid: {valid}")
     return {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items() if k in PROTOCOL_KEYS}
 
@@ -73,6 +109,8 @@ def check_options(cfg: DictConfig) -> None:
     plain = OmegaConf.to_container(cfg, resolve=True)
     try:
         check_all(plain, RUN_OPTIONS)
+        if "run" in plain:
+            check_inside("run", plain["run"], f"output_root={plain.get('output_root')}")
         for prefix, options in (("benchmark.", BENCHMARK_OPTIONS), ("longbench.", LONGBENCH_OPTIONS),
                                 ("ruler.", RULER_OPTIONS), ("memory.", MEMORY_OPTIONS), ("model.", MODEL_OPTIONS),
                                 ("analysis.", ANALYSIS_OPTIONS)):
@@ -81,16 +119,16 @@ def check_options(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
-def check_output(out_dir: Path) -> None:
-    """The results directory can be made and written: no file in its place or above it, the nearest existing
-    directory writable. Nothing is created here."""
+def check_output(out_dir: Path, key: str = "output_root/run") -> None:
+    """The results directory (or ``key``'s directory) can be made and written: no file in its place or above it, the
+    nearest existing directory writable. Nothing is created here."""
+    fix = "output_root= or run=" if key == "output_root/run" else f"{key}="
     for place in (out_dir, *out_dir.parents):
         if place.exists():
             if not place.is_dir():
-                raise ConfigError(f"output_root/run: {place} is a file, not a directory; choose another "
-                                  f"output_root= or run=")
+                raise ConfigError(f"{key}: {place} is a file, not a directory; choose another {fix}")
             if not os.access(place, os.W_OK | os.X_OK):
-                raise ConfigError(f"output_root/run: {place} is not writable; choose another output_root=")
+                raise ConfigError(f"{key}: {place} is not writable; choose another {fix.split(' or ')[0]}")
             return
 
 
@@ -156,14 +194,45 @@ def check_group_choices(argv: list[str]) -> None:
                               f"valid: {', '.join(valid)}")
 
 
-def budget_warnings(samples, configs) -> list[str]:
-    """One line per token budget at or above some samples' prompts (those rows keep the whole prompt: the full
-    cache, under the budget's label), with how many samples and the longest such prompt."""
+def check_launcher(argv: list[str]) -> None:
+    """``hydra/launcher=slurm`` needs SLURM's ``sbatch`` here (submitit submits through it); off a cluster the
+    command is refused in one line before Hydra starts (submitit would fail in a traceback)."""
+    import shutil
+
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+~") == "hydra/launcher" and value == "slurm" and shutil.which("sbatch") is None:
+            raise ConfigError("hydra/launcher=slurm: sbatch is not on this machine's PATH (not a SLURM cluster's "
+                              "login node); submit from the cluster, or run the jobs here with "
+                              "hydra/launcher=local_parallel")
+
+
+def budget_warnings(samples, configs, num_layers: int = 1) -> list[str]:
+    """One line per eviction (method and budget) and scope that keeps some samples' compressed part whole in every
+    layer (:meth:`~spark_bench.methods.base.EvictionMethod.keeps_whole`: a token budget at or above the part, or a
+    part no longer than what the method always keeps, e.g. SnapKV's observation window): those rows are the full
+    cache under the budget's label. Says how many samples and the longest such part. ``num_layers``: the model's
+    (PyramidKV's budget differs per layer)."""
+    from spark_bench.methods.pipeline import DISPLAY, build_eviction
+
+    groups: dict = {}
+    for c in configs:
+        if c.eviction_name is not None:
+            groups.setdefault((build_eviction(c), c.compress_scope), []).append(c)
     lines = []
-    for budget in sorted({c.budget for c in configs if c.eviction_name is not None and c.budget >= 1}):
-        covered = [len(s.input_ids) for s in samples if len(s.input_ids) <= budget]
-        if covered:
-            lines.append(f"budget={budget:g} is at or above the prompt of {len(covered)} of {len(samples)} samples "
-                         f"(up to {max(covered)} tokens): those rows keep the whole prompt (the full cache), "
-                         f"labelled @{budget:g}")
+    for (eviction, scope), members in groups.items():
+        lengths = [s.scope_end(scope) if hasattr(s, "scope_end") else len(s.input_ids) for s in samples]
+        whole = [n for n in lengths if all(eviction.keeps_whole(n, i, num_layers) for i in range(num_layers))]
+        if not whole:
+            continue
+        c = members[0]
+        always = {"snapkv": f"window_size={c.window_size}", "pyramidkv": f"window_size={c.window_size}",
+                  "adasnapkv": f"window_size={c.window_size}", "streamingllm": f"n_sink+1={c.n_sink + 1}",
+                  "expected_attention": f"n_sink+1={c.n_sink + 1}", "tova": "its last token"}[c.eviction_name]
+        part = "prompt" if scope == "prompt" else f"compressed part (compress_scope={scope})"
+        which = f"{DISPLAY[c.eviction_name]} @{c.budget:g}" + (f" ({len(members)} configs)" if len(members) > 1
+                                                                 else "")
+        lines.append(f"{which} keeps the whole {part} of {len(whole)} of {len(samples)} samples (up to {max(whole)} "
+                     f"tokens: within budget={c.budget:g} or {always}): those rows are the full cache, labelled "
+                     f"@{c.budget:g}")
     return lines

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ContextDecorator, contextmanager
 from pathlib import Path
 
 import hydra
@@ -24,8 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from spark_bench import hub, logs
 from spark_bench.commandline import check_sweep, compose_jobs
 from spark_bench.checks import (
-    CONF_DIR, PROTOCOL_KEYS, ConfigError, budget_warnings, check_file, check_group_choices, check_options,
-    check_output, check_token_ids, cuda_exists, parse_shard, protocol_options, resolve_device,
+    CONF_DIR, PROTOCOL_KEYS, ConfigError, budget_warnings, check_file, check_group_choices, check_launcher,
+    check_options, check_output, check_token_ids, cuda_exists, parse_shard, protocol_options, resolve_device,
 )
 from spark_bench.models import ModelConfig, load_model, resolve_sources
 
@@ -44,20 +44,48 @@ def method_options() -> tuple[str, ...]:
     return option_names()
 
 
+def protocol_name(cfg: DictConfig) -> str | None:
+    """The protocol the run chose: Hydra's choice when it runs the command, else (a config composed elsewhere) the
+    protocol whose options the config's agree with most (paper and kvcache_factory set the same method options)."""
+    try:
+        return HydraConfig.get().runtime.choices.get("protocol")
+    except ValueError:  # not under Hydra's run (compose API: tests, multirun checks, scripts)
+        pass
+    names = sorted(p.stem for p in (CONF_DIR / "protocol").glob("*.yaml"))
+    agree = {n: sum(cfg.get(k) == v for k, v in protocol_options(n).items()) for n in names}
+    return max(names, key=lambda n: agree[n]) if names else None
+
+
+def default_options(cfg: DictConfig) -> dict:
+    """Each method option's default: ``conf/config.yaml``'s value, or the chosen protocol's."""
+    top = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))
+    protocol = protocol_name(cfg)
+    return {**{k: top.get(k) for k in method_options()}, **(protocol_options(protocol) if protocol else {})}
+
+
 def method_configs(cfg: DictConfig) -> list[MethodConfig]:
     """``method=`` selects one config built from the top-level options; otherwise every ``sweep.configs``
     entry, each overriding the top-level options. An entry's ``protocol: <name>`` puts that protocol's options
-    under the entry's own (so one sweep can compare protocols over one shared prefill)."""
+    under the entry's own (so one sweep can compare protocols over one shared prefill).
+
+    An option set away from its default that the method does not read is refused
+    (:func:`~spark_bench.methods.pipeline.unread_option`): with ``method=``, a top-level option; in a sweep, an
+    entry's own option, or a top-level one that no entry reads (each entry that reads it without setting it)."""
     from spark_bench.methods import MethodConfig
-    from spark_bench.methods.pipeline import ratio_needed
+    from spark_bench.methods.pipeline import ratio_needed, relevant_options, unread_option
 
     base = {k: cfg[k] for k in method_options() if k in cfg}
     if isinstance(base.get("kvpress"), DictConfig):
         base["kvpress"] = OmegaConf.to_container(base["kvpress"])
-    entries = [{"name": cfg.method.name}] if cfg.get("method") else OmegaConf.to_container(cfg.sweep.configs)
-    out = []
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    defaults = default_options(cfg)
+    explicit = [k for k in method_options() if plain.get(k) != defaults.get(k)
+                and not (k == "ratio" and not plain.get(k))]  # ratio null or 0: the base method
+    single = bool(cfg.get("method"))
+    entries = [{"name": cfg.method.name}] if single else OmegaConf.to_container(cfg.sweep.configs)
+    out, readers = [], {k: 0 for k in explicit}
     for i, entry in enumerate(entries):
-        where = "method" if cfg.get("method") else f"sweep.configs[{i}]"
+        where = "method" if single else f"sweep.configs[{i}]"
         try:
             entry = dict(entry)
             protocol = protocol_options(entry.pop("protocol")) if "protocol" in entry else {}
@@ -67,11 +95,25 @@ def method_configs(cfg: DictConfig) -> list[MethodConfig]:
             needed = ratio_needed(config) if unset else None
             if needed:
                 raise ConfigError(f"{where}: {needed}")
+            unread = unread_option(config, explicit if single else [k for k in entry if k != "name"])
+            if unread:
+                raise ConfigError(f"{where}: {unread}")
+            relevant = relevant_options(config.to_dict())
+            for k in readers:
+                readers[k] += k in relevant and k not in entry and k not in protocol
             out.append(config)
         except (TypeError, ValueError) as err:
             if isinstance(err, ConfigError):
                 raise
             raise ConfigError(f"{where}: {err}") from None
+    if not single:
+        from spark_bench.methods.pipeline import _option_text, option_readers
+
+        for k, n in readers.items():
+            if not n:
+                raise ConfigError(f"{k}={_option_text(plain.get(k))}: no entry of sweep.configs reads it (each sets "
+                                  f"its own, or its method ignores it), so it would change nothing; {k} is read by "
+                                  f"{option_readers(k)}; set it in the entries, or use method=")
     return out
 
 
@@ -189,6 +231,34 @@ def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tup
     return model, configs
 
 
+def num_layers(model: ModelConfig) -> int:
+    """The model's layer count from its ``arch:`` block or ``config.json`` (1 when neither says)."""
+    from spark_bench.memory import Arch
+
+    try:
+        return Arch.of(model).num_layers
+    except ValueError:
+        return 1
+
+
+class quiet_placement(ContextDecorator):  # noqa: N801 — used as a context manager and a decorator
+    """Plans place the model over the GPUs that ``model.max_memory`` / ``device_map`` name, present here or not
+    (a plan for a cluster made on a laptop): Accelerate's "Device N is not available" warnings are noise there (the
+    run's own check names missing GPUs in one line). A class, not a generator: Hydra's multirun launchers pickle
+    the functions it decorates."""
+
+    def __enter__(self):
+        self.logger = logging.getLogger("accelerate.utils.modeling")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.ERROR)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.logger.setLevel(self.level)
+        return False
+
+
+@quiet_placement()
 def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[MethodConfig], baseline: int = 0):
     """The run's predicted peak (:func:`spark_bench.memory.choose_decode_batch`): for ``decode_batch`` when set,
     else for the largest decode batch that fits each device's free memory (or ``memory.limit_gib``). Raises
@@ -263,9 +333,15 @@ def _longbench(cfg: DictConfig, lm):
     from spark_bench.benchmarks.longbench import load_longbench
 
     src = cfg.longbench
-    return load_longbench(benchmark_tasks(cfg), lm, data_dir=src.data_dir, num_samples=cfg.benchmark.num_samples,
-                          e=src.e, max_length=src.max_length, hub_path=src.hub_path, rouge_backend=src.rouge_backend,
-                          protocol=src.get("protocol", "pred"))
+    samples = load_longbench(benchmark_tasks(cfg), lm, data_dir=src.data_dir, num_samples=cfg.benchmark.num_samples,
+                             e=src.e, max_length=src.max_length, hub_path=src.hub_path,
+                             rouge_backend=src.rouge_backend, protocol=src.get("protocol", "pred"))
+    cap = cfg.benchmark.get("max_new_tokens")  # benchmark.max_new_tokens: instead of each task's own, as for RULER
+    if cap is None:
+        return samples
+    from dataclasses import replace
+
+    return [replace(s, max_new_tokens=cap, min_new_tokens=min(s.min_new_tokens, cap)) for s in samples]
 
 
 BENCHMARKS = {"ruler": _ruler, "longbench": _longbench}
@@ -457,7 +533,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
                     sample.scope_end(scope)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        for line in budget_warnings(samples, configs):
+        for line in budget_warnings(samples, configs, num_layers(model_cfg)):
             LOG.warning(f"warning: {line}")
         payload = run_payload(cfg, text, samples, configs)
         try:
@@ -507,6 +583,7 @@ def checked(tool: str, entry, check_job=None) -> None:
 
         prepare_command_line(sys.argv[1:])  # kvpress:<press> and methods of one's own as method= choices
         check_group_choices(sys.argv[1:])
+        check_launcher(sys.argv[1:])
         jobs = compose_jobs(sys.argv[1:])
         if check_job is not None and len(jobs) > 1:
             check_sweep(jobs, check_job)

@@ -11,12 +11,22 @@ config / nothing reads it) and the closest valid keys (:mod:`difflib`), as a
 
 from __future__ import annotations
 
+import argparse
 import difflib
 from dataclasses import fields
 
 from omegaconf import DictConfig, OmegaConf
 
 from spark_bench.checks import CONF_DIR, CONFIG_GROUPS, ConfigError
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse`` for the console scripts that take flags (report, merge, figure2): a bad flag or value ends in one
+    line, ``<prog>: error: <what>``, exit 2, as every spark-bench refusal (argparse prints its whole usage first);
+    ``--help`` still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help: the usage)\n")
+
 
 VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--info", "-i"}  # Hydra flags followed by a value
 OWN_CONFIG_FLAGS = {"--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun"}

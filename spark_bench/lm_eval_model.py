@@ -113,10 +113,21 @@ class SparkBenchLM(LM):
 
 
 def main() -> None:
-    """``spark-bench-lm-eval``: lm-eval's command line with the ``spark-bench`` model type registered."""
+    """``spark-bench-lm-eval``: lm-eval's command line with the ``spark-bench`` model type registered. What
+    spark-bench refuses (a model not on disk with the hub unusable, a missing GPU, a bad method option: a
+    ``ValueError`` or a missing file) ends in one line, exit 2, as every spark-bench command."""
+    import sys
+
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    if not any(a == "--device" or a.startswith("--device=") for a in sys.argv[1:]):
+        sys.argv.append("--device=auto")  # lm-eval's own default is cuda:0; spark-bench's is a GPU when there is one
+    try:
+        cli_evaluate()
+    except (ValueError, FileNotFoundError) as err:
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        print(f"spark-bench-lm-eval: error: {lines[0]}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ configs and start-up checks (:mod:`spark_bench.cli`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -13,8 +12,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from spark_bench.checks import CONF_DIR, ConfigError
-from spark_bench.cli import benchmark_tasks, checked, fail, load_samples, memory_prediction, output_dir, validate
+from spark_bench.checks import CONF_DIR, ConfigError, check_output
+from spark_bench.cli import (
+    benchmark_tasks, checked, fail, load_samples, memory_prediction, output_dir, quiet_placement, validate,
+)
 from spark_bench import logs
 from spark_bench.models import load_model
 
@@ -24,16 +25,21 @@ LOG = logging.getLogger(__name__)
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _hydra_export(cfg: DictConfig) -> None:
     """Generate (or load) the benchmark's samples with the model's tokenizer and write them as JSONL."""
+    from spark_bench.benchmarks.export import write_samples
+
+    path = Path(cfg.get("export_path") or output_dir(cfg) / "samples.jsonl")
     try:
         model_cfg, _ = validate(cfg)
+        check_output(path.parent, "export_path")  # before the model loads: a place that cannot be written is one line
         lm = load_model(model_cfg, cfg.device)
         samples = load_samples(cfg, lm)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         fail("spark-bench-export", cfg, err)
-    from spark_bench.benchmarks.export import write_samples
-
-    path = Path(cfg.get("export_path") or output_dir(cfg) / "samples.jsonl")
-    write_samples(samples, path, lm.tokenizer)
+    try:
+        write_samples(samples, path, lm.tokenizer)
+    except OSError as err:  # no such place, not writable, the disk fills: one line, as every start-up refusal
+        fail("spark-bench-export", cfg, ConfigError(f"export_path: writing {err.filename or path} failed: "
+                                                    f"{err.strerror or err}; choose another export_path="))
     LOG.info(f"{len(samples)} samples of {cfg.benchmark.name} → {path}")
 
 
@@ -56,7 +62,10 @@ def _hydra_memory(cfg: DictConfig) -> None:
         tasks = [] if cfg.benchmark.get("data_file") else benchmark_tasks(cfg)
         prompt, _ = run_bounds(cfg, model, tasks, {c.compress_scope for c in configs})
         seq_len = mem.seq_len or prompt
-        plans = [planner.plan(c, model, seq_len, mem.gen_len, mem.cap_gib, mem.overhead_gib) for c in configs]
+        if mem.get("out"):
+            check_output(Path(mem.out).parent, "memory.out")
+        with quiet_placement():
+            plans = [planner.plan(c, model, seq_len, mem.gen_len, mem.cap_gib, mem.overhead_gib) for c in configs]
         prediction = memory_prediction(cfg, model, configs)
     except (ConfigError, ValueError, OSError) as err:
         fail("spark-bench-memory", cfg, err)
@@ -77,7 +86,9 @@ def merge(argv: list[str] | None = None) -> None:
     """``spark-bench-merge DIR``: join ``DIR/shard-*-of-n`` into ``DIR`` (predictions, scores, table)."""
     from spark_bench.shards import merge_shards
 
-    parser = argparse.ArgumentParser(prog="spark-bench-merge", description=merge.__doc__)
+    from spark_bench.commandline import ArgumentParser  # a bad flag: one line, exit 2
+
+    parser = ArgumentParser(prog="spark-bench-merge", description=merge.__doc__)
     parser.add_argument("directory", type=Path)
     logs.add_flags(parser)
     args = parser.parse_args(argv)

@@ -146,6 +146,34 @@ BAD = {
     "output_root is a file": (_file, "is a file, not a directory"),
     "data file not text": (_not_text, "benchmark.data_file: "),
     "truncated GGUF model file": (_truncated_gguf, "is not a complete GGUF file ("),
+    # an option the chosen method does not read (issue 46): one rule, naming the option and the methods that read it
+    "ratio on snapkv": (["method=snapkv", "budget=64", "ratio=0.8"],
+                        "method: ratio=0.8 is not read by snapkv, so it would change nothing; ratio is read by think, "
+                        "spark (alone or after an eviction method, e.g. snapkv+spark)"),
+    "ratio on full": (["method=full", "ratio=0.8"], "method: ratio=0.8 is not read by full"),
+    "budget on full": (["method=full", "budget=0.5"],
+                       "method: budget=0.5 is not read by full, so it would change nothing; budget is read by "
+                       "streamingllm, snapkv, pyramidkv, adasnapkv, tova, expected_attention, kvpress:<press> (alone "
+                       "or with +think / +spark)"),
+    "variant on think": (["method=snapkv+think", "budget=64", "ratio=0.5", "variant=top_p"],
+                         "method: variant=top_p is not read by snapkv+think, so it would change nothing; variant is "
+                         "read by spark"),
+    "recovery on snapkv": (["method=snapkv", "budget=64", "recovery=gaussian"], "recovery=gaussian is not read by"),
+    "saliency on think": (["method=think", "ratio=0.5", "saliency=paper"], "saliency=paper is not read by think"),
+    "value_score without value_ratio": (["method=snapkv", "budget=64", "value_score=norm"],
+                                        "value_score=norm is not read by snapkv, so it would change nothing; "
+                                        "value_score is read by any method, with value_ratio > 0"),
+    "n_sink on snapkv": (["method=snapkv", "budget=64", "n_sink=8"], "n_sink=8 is not read by snapkv"),
+    "budget on full in a sweep entry": (["sweep.configs=[{name: full, budget: 0.5}]"],
+                                        "sweep.configs[0]: budget=0.5 is not read by full"),
+    # paths made from user input stay inside their root (issue 46)
+    "run escapes output_root": (["run=../escaped"], "run=../escaped: must stay inside output_root="),
+    "run absolute": (["run=/tmp/elsewhere"], "run=/tmp/elsewhere: must stay inside output_root="),
+    "sweep entry protocol as a path": (["sweep.configs=[{name: full, protocol: ../method/full}]"],
+                                       "sweep.configs[0]: protocol '../method/full': no such protocol config"),
+    "ratio no sweep entry reads": (["ratio=0.3"], "ratio=0.3: no entry of sweep.configs reads it (each sets its own, "
+                                                  "or its method ignores it), so it would change nothing; ratio is "
+                                                  "read by think, spark"),
 }
 
 
@@ -228,6 +256,22 @@ def test_a_multirun_with_one_bad_job_runs_no_job(tmp_path, monkeypatch, capsys, 
     assert not (tmp_path / "out").exists()
 
 
+def test_a_multirun_job_whose_method_ignores_an_option_refuses_the_sweep(tmp_path, monkeypatch, capsys, no_loading):
+    """``-m method=snapkv,snapkv+spark ratio=0.8``: plain SnapKV does not read the ratio (its job would silently run
+    SnapKV under a SparK-looking command), so the sweep is refused before any job runs."""
+    monkeypatch.setattr(sys, "argv", ["spark-bench", "-m", *BASE, f"output_root={tmp_path / 'out'}",
+                                      "method=snapkv,snapkv+spark", "budget=64", "ratio=0.8"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2
+    assert lines == ["spark-bench: error: the sweep runs no job: 1 of 2 jobs refused",
+                     "spark-bench: error: multirun job 0 (method=snapkv): method: ratio=0.8 is not read by snapkv, so "
+                     "it would change nothing; ratio is read by think, spark (alone or after an eviction method, "
+                     "e.g. snapkv+spark)"], lines
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_budget_at_or_above_the_prompt_is_said_once():
     from types import SimpleNamespace
 
@@ -238,8 +282,8 @@ def test_a_budget_at_or_above_the_prompt_is_said_once():
     configs = [MethodConfig(name="snapkv", budget=400), MethodConfig(name="snapkv+spark", budget=400, ratio=0.5),
                MethodConfig(name="snapkv", budget=0.9), MethodConfig(name="full")]
     assert budget_warnings(samples, configs) == [
-        "budget=400 is at or above the prompt of 2 of 3 samples (up to 300 tokens): those rows keep the whole prompt "
-        "(the full cache), labelled @400"]
+        "SnapKV @400 (2 configs) keeps the whole prompt of 2 of 3 samples (up to 300 tokens: within budget=400 or "
+        "window_size=32): those rows are the full cache, labelled @400"]
 
 
 def test_a_length_too_short_for_the_template_is_refused_before_the_weights(tmp_path, monkeypatch):
@@ -401,3 +445,139 @@ def test_a_write_failure_mid_run_is_one_line_and_resumes(tmp_path, monkeypatch):
     monkeypatch.undo()
     _run(tmp_path)
     assert (tmp_path / "r" / "table.md").exists()
+
+
+# ---- console scripts, launchers and library misuse end in one line (issue 46) --------------------------------------
+
+def _one_line_exit(capsys, call) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        call()
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_export_to_a_place_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys, no_loading):
+    import spark_bench.tools as tools
+
+    monkeypatch.setattr(tools, "load_model", cli.load_model)  # the no_loading stand-in
+    (tmp_path / "taken").write_text("a file")
+    monkeypatch.setattr(sys, "argv", ["spark-bench-export", *BASE, f"export_path={tmp_path / 'taken' / 's.jsonl'}",
+                                      f"output_root={tmp_path / 'out'}"])
+    err = _one_line_exit(capsys, tools.export)
+    assert err == f"spark-bench-export: error: export_path: {tmp_path / 'taken'} is a file, not a directory; choose " \
+                  "another export_path=", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_a_bad_report_flag_is_one_line_and_help_keeps_the_usage(capsys):
+    from spark_bench.report import main
+
+    err = _one_line_exit(capsys, lambda: main(["--layout", "nosuch", "results/x"]))
+    assert err.startswith("spark-bench-report: error: argument --layout: invalid choice: 'nosuch' (choose from ")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("usage: spark-bench-report [-h]")
+
+
+def test_the_slurm_launcher_off_a_cluster_is_one_line(tmp_path, monkeypatch, capsys, no_loading):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)  # no sbatch here
+    monkeypatch.setattr(sys, "argv", ["spark-bench", "-m", "hydra/launcher=slurm", *BASE, "method=snapkv", "budget=64",
+                                      f"output_root={tmp_path / 'out'}"])
+    err = _one_line_exit(capsys, cli.main)
+    assert err.startswith("spark-bench: error: hydra/launcher=slurm: sbatch is not on this machine's PATH"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_memory_planner_for_gpus_this_machine_lacks_is_one_line(monkeypatch, capsys, no_loading):
+    """``model.max_memory`` naming GPUs on a CPU machine: the planner's one line, without Accelerate's "Device N is
+    not available" warnings before it."""
+    import torch
+
+    import spark_bench.tools as tools
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(sys, "argv", ["spark-bench-memory", "model=tiny-llama", "sweep=memory",
+                                      "model.device_map=auto", "model.max_memory={0:1GiB,1:1GiB}"])
+    err = _one_line_exit(capsys, tools.memory)
+    assert err.startswith("spark-bench-memory: error: model.max_memory / model.device_map place the model on cuda")
+    assert "which this machine lacks; to predict for those GPUs, give their size: memory.limit_gib=80" in err, err
+
+
+@pytest.mark.parametrize("device", [None, "cuda"])
+def test_lm_eval_with_a_hub_model_offline_is_one_line(monkeypatch, capsys, device):
+    """``spark-bench-lm-eval --model spark-bench --model_args pretrained=llama3-8b,…`` offline (with and without
+    ``--device cuda`` on a machine without one): one line, exit 2. lm-eval's command line is stood in for by what it
+    does with these arguments (build the model with ``--device``, lm-eval's default ``cuda:0`` unless given; its
+    task index takes seconds; tests/test_lm_eval.py runs the real command)."""
+    pytest.importorskip("lm_eval")
+    import lm_eval.__main__
+    import torch
+
+    from spark_bench.lm_eval_model import SparkBenchLM, main
+
+    def cli_evaluate():
+        given = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--device=")]
+        given += [sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--device"]
+        SparkBenchLM(pretrained="llama3-8b", method="snapkv+spark", ratio=0.8, budget=0.2,
+                     device=given[-1] if given else "cuda:0")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", cli_evaluate)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", "/nonexistent/hub")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["spark-bench-lm-eval", "--model", "spark-bench", "--model_args",
+                                      "pretrained=llama3-8b,method=snapkv+spark,ratio=0.8,budget=0.2", "--tasks",
+                                      "spark_capitals_mc", *(["--device", device] if device else [])])
+    err = _one_line_exit(capsys, main)
+    assert err == ("spark-bench-lm-eval: error: device=cuda: this machine has 0 CUDA device(s); use device=auto or "
+                   "cpu") if device else err.startswith("spark-bench-lm-eval: error: model llama3-8b: "
+                                                        "meta-llama/Meta-Llama-3-8B-Instruct is not on disk"), err
+
+
+def test_generate_on_a_compressed_cache_under_sdpa_is_one_value_error(tiny_lm):
+    """``model.generate(..., past_key_values=context.as_cache())`` with the model's attention left at ``sdpa``: the
+    one ValueError docs/library.md promises (a question turn follows the compressed part, so generate's first
+    forward has a mask sized for the whole cache), and the cache works once the attention is switched."""
+    import torch
+
+    import spark_bench
+
+    prompt = spark_bench.prompt(tiny_lm.tokenizer, "The door code is 4512. " * 6, "What is the door code?")
+    config = spark_bench.method("snapkv+spark", ratio=0.5, budget=40, window_size=16, channel_window=16)
+    context = spark_bench.compress(tiny_lm.model, prompt, config)
+    ids = torch.tensor([context.continuation_ids()])
+    assert tiny_lm.model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match=r"^past_key_values: layer 0 of a spark_bench cache ran another attention "
+                                         r"function .*model\.set_attn_implementation\('spark_bench'\)"):
+        tiny_lm.model.generate(ids, past_key_values=context.as_cache(), max_new_tokens=2, do_sample=False)
+    tiny_lm.model.set_attn_implementation("spark_bench")
+    try:
+        out = tiny_lm.model.generate(ids, past_key_values=context.as_cache(), max_new_tokens=2, do_sample=False)
+    finally:
+        tiny_lm.model.set_attn_implementation("sdpa")
+    assert out.shape[1] == ids.shape[1] + 2
+
+
+def test_a_press_inside_another_on_the_same_model_is_one_value_error(tiny_lm):
+    import spark_bench
+
+    options = dict(budget=40, window_size=16, channel_window=16, ratio=0.5)
+    with spark_bench.press(tiny_lm.model, "snapkv+spark", **options) as outer:
+        with pytest.raises(ValueError, match=r"^press: another spark_bench.press is already active on this model"):
+            with spark_bench.press(tiny_lm.model, "snapkv+think", **options):
+                pass
+        tiny_lm.model.generate(torch_ids(tiny_lm), max_new_tokens=1, do_sample=False)
+    assert len(outer.contexts) == 1  # the outer press still compressed the prefill, once
+    with spark_bench.press(tiny_lm.model, "snapkv+think", **options) as again:  # and one can press again after it
+        tiny_lm.model.generate(torch_ids(tiny_lm), max_new_tokens=1, do_sample=False)
+    assert len(again.contexts) == 1
+
+
+def torch_ids(lm):
+    import torch
+
+    return torch.tensor([list(range(100, 160))])

@@ -131,12 +131,12 @@ def test_same_seed_same_bytes(tmp_path, uninterrupted):
 
 @pytest.mark.parametrize("launcher", ["local_parallel", "local_submitit"])
 def test_two_job_sweep_through_launcher(tmp_path, launcher):
-    out = cli(["-m", f"hydra/launcher={launcher}", *BASE, "benchmark.num_samples=1", "method=snapkv,full",
+    out = cli(["-m", f"hydra/launcher={launcher}", *BASE, "benchmark.num_samples=1", "method=snapkv,tova",
                "budget=64", f"output_root={tmp_path}", "run=multi"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     for job in ("0", "1"):
         table = (tmp_path / "multi" / job / "table.md").read_text()
-        assert ("SnapKV @64" if job == "0" else "Full") in table
+        assert ("SnapKV @64" if job == "0" else "TOVA @64") in table
 
 
 def test_shards_merge_into_the_unsharded_result(tmp_path, uninterrupted):

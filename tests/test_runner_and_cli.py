@@ -1,12 +1,15 @@
 """The runner's outputs, sweep-vs-alone equality, and the Hydra command line."""
 
+import itertools
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from spark_bench.benchmarks.ruler import load_ruler
@@ -184,3 +187,104 @@ def test_repeated_sweep_config_is_one_line_before_anything_runs_even_in_a_dry_ru
         assert proc.stderr.strip().splitlines() == [
             "spark-bench: error: sweep.configs: the sweep lists the same method config more than once: SnapKV @64"]
         assert not any(tmp_path.iterdir())
+
+
+# ---- short samples: a compressed part no longer than what a method always keeps (issue 46) -----------------------
+
+@pytest.fixture(scope="module")
+def short_prefills(tiny_lm):
+    """Prefills of 1 … 40 tokens: parts within the sinks, at and around the 32-token window."""
+    from conftest import DEVICE
+    from spark_bench.engine.prefill import QueryStatsSpec, run_prefill
+
+    ids = torch.randint(100, 5000, (1, 40), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    return {s: run_prefill(tiny_lm.model, ids[:, :s], window=32, query_stats=QueryStatsSpec())
+            for s in (1, 2, 5, 6, 31, 32, 33, 40)}
+
+
+ALWAYS_KEPT = {"snapkv": 32, "pyramidkv": 32, "adasnapkv": 32, "streamingllm": 5, "expected_attention": 5, "tova": 1}
+
+
+@pytest.mark.parametrize("eviction", list(ALWAYS_KEPT))
+def test_a_part_no_longer_than_what_a_method_always_keeps_is_kept_whole(short_prefills, eviction):
+    """A part no longer than the window (SnapKV family), the sinks and one token (StreamingLLM, ExpectedAttention)
+    or one token (TOVA) is kept whole under any budget — the full cache, said by ``keeps_whole`` and counted in the
+    budget-coverage warning; a longer part keeps the budget, at least what the method always keeps."""
+    from spark_bench.checks import budget_warnings
+    from spark_bench.methods import Pipeline
+
+    floor = ALWAYS_KEPT[eviction]
+    for budget, name in itertools.product((0.2, 0.5, 36), (eviction, f"{eviction}+spark")):
+        pipeline = Pipeline.from_config(MethodConfig(name=name, budget=budget, ratio=0.5))
+        for s, prefill in short_prefills.items():
+            n = len(prefill.layers)
+            cache, _ = pipeline.build_cache(prefill)
+            kept = [layer.key_store.length for layer in cache.layers]
+            whole = [pipeline.eviction.keeps_whole(s, i, n) for i in range(n)]
+            if s <= floor or eviction != "pyramidkv":  # PyramidKV's budget differs per layer
+                assert whole == [s <= floor or 1 <= budget >= s] * n, (name, budget, s)
+            assert all(k == s for k, w in zip(kept, whole) if w), (name, budget, s, kept)
+            for i, (k, w) in enumerate(zip(kept, whole)):  # AdaKV pads its heads to the longest: up to s
+                assert (pipeline.eviction.select(prefill.layers[i], i, n) is None) == w
+                assert w or min(s, floor) <= k <= s and (k < s or eviction == "adasnapkv"), (name, budget, s, kept)
+    samples = [SimpleNamespace(input_ids=(0,) * s) for s in short_prefills]
+    (line,) = budget_warnings(samples, [MethodConfig(name=eviction, budget=0.5)], num_layers=2)
+    covered = [s for s in short_prefills if s <= floor]
+    assert line.startswith(f"{MethodConfig(name=eviction).label.split(' ')[0]} @0.5 keeps the whole prompt of "
+                           f"{len(covered)} of {len(samples)} samples (up to {max(covered)} tokens: within "
+                           f"budget=0.5 or "), line
+
+
+@pytest.mark.parametrize("protocol", ["official", "paper", "kvcache_factory"])
+def test_the_longbench_fixture_runs_under_every_protocol(tmp_path, protocol, spark_log):
+    """tests/fixtures/longbench (docs/cli.md's offline LongBench): its trec sample's user turn is shorter than the
+    official protocol's 64-token window (as samsum's, lcc's and repobench-p's; gov_report's is not). The default
+    sweep and every eviction method of the paper (with SparK, under the protocol's scope or the context scope) run
+    to the table; the short sample is kept whole and said so."""
+    import spark_bench.cli as cli
+
+    paper = [f"{{name:{e}+spark,budget:0.5,ratio:0.8{',compress_scope:context' if i % 2 else ''}}}"
+             for i, e in enumerate(["streamingllm", "expected_attention", "tova", "pyramidkv", "adasnapkv"])]
+    demo = [f"{{name:{c.name}" + (f",budget:{c.budget:g}" if c.eviction_name else "")
+            + (f",ratio:{c.ratio:g}" if c.channel_name else "") + "}" for c in method_configs(_compose([]))]
+    cfg = _compose(["model=tiny-llama", "benchmark=longbench", "longbench.data_dir=tests/fixtures/longbench",
+                    "benchmark.tasks=[trec,gov_report]", "+benchmark.max_new_tokens=1", f"protocol={protocol}", "progress=false",
+                    f"sweep.configs=[{','.join(demo + paper)}]", f"output_root={tmp_path}", "run=fixture"])
+    cli.run(cfg, tmp_path / "fixture")
+    table = (tmp_path / "fixture" / "table.md").read_text().splitlines()
+    assert len(table) >= 2 + len(demo) + len(paper) and "| trec |" in table[0] and "| gov_report |" in table[0]
+    predictions = [json.loads(line) for line in (tmp_path / "fixture" / "predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == 2 * (len(demo) + len(paper))
+    warned = [line for line in spark_log if "keeps the whole" in line]
+    if protocol == "official":  # trec's user turn is within the 64-token window, gov_report's is not
+        assert any(line.startswith("warning: SnapKV @0.5 (") and "keeps the whole compressed part (compress_scope="
+                   "question) of 1 of 2 samples (up to 57 tokens: within budget=0.5 or window_size=64)" in line
+                   for line in warned), warned
+        short = {p["task"]: p["kv_bytes"] == p["kv_bytes_full"] for p in predictions if p["config"] == "SnapKV @0.5"}
+        assert short == {"trec": True, "gov_report": False}
+
+
+def test_the_default_run_directory_is_the_configuration():
+    """``run`` left out: ``<model>_<benchmark>_<8 hex of the configuration>``. docs/cli.md's commands in order (and
+    any two configurations that compute different things) get different directories; the same configuration, or one
+    that changes only how it runs (progress, decode batch, device), the same one (so it resumes); ``make demo``'s
+    ``run=demo`` is kept as given."""
+    runs = [_compose(o).run for o in ([], ["method=snapkv+spark", "ratio=0.8"], ["method=snapkv+spark", "ratio=0.5"],
+                                      ["protocol=kvcache_factory", "method=snapkv"], ["benchmark.length=4096"],
+                                      ["sweep=methods"], ["benchmark=ruler_all"], ["model=tiny-llama"])]
+    assert len(set(runs)) == len(runs) and runs[0].startswith("smollm2-135m_ruler_"), runs
+    assert runs[-1].startswith("tiny-llama_ruler_") and all(len(r.rsplit("_", 1)[1]) == 8 for r in runs)
+    same = [_compose(o).run for o in ([], ["progress=false"], ["decode_batch=2", "device=cpu"], ["wait_lock=true"])]
+    assert set(same) == {runs[0]}
+    assert _compose(["run=demo"]).run == "demo"
+
+
+def test_an_option_the_method_reads_or_leaves_at_its_default_is_accepted():
+    """The refusal of unread options (tests/test_bad_inputs.py) spares options at their defaults (the protocol's
+    windows on ``full``), explicit ``ratio=0`` (the base method), and a top-level option some sweep entry reads."""
+    cases = {("method=full",): ["Full"], ("method=snapkv", "ratio=0"): ["SnapKV @0.2"],
+             ("protocol=paper", "method=tova", "budget=64"): ["TOVA @64"],
+             ("method=full", "value_ratio=0.5", "value_fill=zero"): ["Full+V(0.5)"],
+             ("window_size=16", "sweep.configs=[{name: full}, {name: snapkv, budget: 64}]"): ["Full", "SnapKV @64"]}
+    for overrides, labels in cases.items():
+        assert [c.label for c in method_configs(_compose(list(overrides)))] == labels, overrides

@@ -10,7 +10,6 @@ writes ``saliency.json``, ``cv_per_layer_head.csv``, ``summary.md`` and the PNGs
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -179,7 +178,9 @@ def figure2(argv: list[str] | None = None) -> None:
     from spark_bench.analysis.observation2 import loss_table, paper_frame, read_scores, to_markdown
     from spark_bench.report.frame import clean_method, read_paper_csv
 
-    parser = argparse.ArgumentParser(prog="spark-bench-figure2", description=figure2.__doc__)
+    from spark_bench.commandline import ArgumentParser  # a bad flag: one line, exit 2
+
+    parser = ArgumentParser(prog="spark-bench-figure2", description=figure2.__doc__)
     parser.add_argument("--observation2", type=Path, help="results directory of the Observation 2 sweep")
     parser.add_argument("--memory", type=Path, help="spark-bench-memory memory.out JSON (sweep=memory)")
     parser.add_argument("--out", type=Path, required=True)

@@ -22,13 +22,14 @@ raises. Contexts of different prompts decode together through the harness's gree
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from spark_bench.engine.attention import CACHE_ATTRIBUTE, compressed_attention_enabled
+from spark_bench.engine.attention import ATTENTION_NAME, CACHE_ATTRIBUTE, compressed_attention_enabled
 from spark_bench.engine.cache import BatchedCache, CompressedCache, store_device
 from spark_bench.engine.prefill import attention_modules, model_key
 
@@ -153,6 +154,11 @@ class SparkCache(BatchedCache):
         return self.get_seq_length(layer_idx) + query_length, 0  # the attention function masks by itself
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self._unattended is None and not self._positions_checked:  # the first update: the attention module that
+            caller = sys._getframe(1).f_locals.get("self")  # calls it names its attention function (another one,
+            implementation = getattr(getattr(caller, "config", None), "_attn_implementation", ATTENTION_NAME)
+            if implementation != ATTENTION_NAME:  # e.g. sdpa under model.generate, would fail on the mask's shape)
+                self._unattended = layer_idx
         if self._unattended is not None:
             raise ValueError(f"past_key_values: layer {self._unattended} of a spark_bench cache ran another "
                              "attention function (it needs the model's spark_bench attention): call "

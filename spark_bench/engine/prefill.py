@@ -168,8 +168,10 @@ def mean_rotation(model: nn.Module, start: int, n_future: int, head_dim: int, de
 
 def query_statistics(module: nn.Module, hidden: torch.Tensor, spec: QueryStatsSpec, rotation: torch.Tensor,
                      q_norm: bool = True):
-    """Mean ``(B, H_q, D)`` and covariance ``(B, H_q, D, D)`` of the prompt's queries after the mean rotation."""
-    q = pre_rope_queries(module, hidden[:, spec.n_sink:], q_norm).float()
+    """Mean ``(B, H_q, D)`` and covariance ``(B, H_q, D, D)`` of the prompt's queries after the mean rotation (a
+    prompt no longer than the sinks: of all its queries; ExpectedAttention keeps such a prompt whole anyway)."""
+    skip = spec.n_sink if hidden.shape[1] > spec.n_sink else 0
+    q = pre_rope_queries(module, hidden[:, skip:], q_norm).float()
     mean = q.mean(dim=2)
     centred = q - mean.unsqueeze(2)
     cov = centred.transpose(-1, -2) @ centred / q.shape[2]

@@ -17,6 +17,7 @@ an exception escapes: the model is bit-identical afterwards.
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from spark_bench.methods import Pipeline
 
 FIRST_CAPACITY = 64  # decoded tokens preallocated per row; the tail doubles when generation runs longer
+_ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models inside a pressed() block now
 
 
 class Pressed:
@@ -49,7 +51,11 @@ class Pressed:
 @contextmanager
 def pressed(model: nn.Module, pipeline: Pipeline):
     """Within the block, the model's prefill forwards compress their cache under ``pipeline`` (module docstring).
-    Yields a :class:`Pressed` record of the contexts built."""
+    Yields a :class:`Pressed` record of the contexts built. One press at a time per model: entering a second one
+    while the first is active is refused (one ``ValueError``; the first stays as it was)."""
+    if model in _ACTIVE:
+        raise ValueError("press: another spark_bench.press is already active on this model; one press at a time "
+                         "(leave its `with` block first, or compress several configs with spark_bench.compress)")
     window, stats, raw_asked = prefill_spec([pipeline])
     hooks = prefill_hooks([pipeline])
     normed = has_q_norm(model)
@@ -90,9 +96,11 @@ def pressed(model: nn.Module, pipeline: Pipeline):
 
     handles = [model.register_forward_pre_hook(before, with_kwargs=True),
                model.register_forward_hook(after, with_kwargs=True)]
+    _ACTIVE.add(model)
     try:
         yield record
     finally:
+        _ACTIVE.discard(model)
         for handle in handles:
             handle.remove()
         capture = state.pop("capture", None)

@@ -60,7 +60,14 @@ class EvictionMethod(ABC):
 
     @abstractmethod
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
-        """The kept tokens, or ``None`` to keep every token."""
+        """The kept tokens, or ``None`` to keep every token (exactly when :meth:`keeps_whole`)."""
+
+    def keeps_whole(self, length: int, layer_idx: int, num_layers: int) -> bool:
+        """Whether a compressed part of ``length`` tokens is kept whole in this layer (the full cache): its budget
+        covers it, or it is no longer than what the method always keeps (the observation window, the sinks and one
+        recent token, the last token). :meth:`select` returns ``None`` exactly then, and the run's budget-coverage
+        warning (:func:`spark_bench.checks.budget_warnings`) counts such samples."""
+        return resolve_budget(self.budget, length, self.rounding) >= length
 
     def stored_tokens(self, prompt_length: int, layer_idx: int, num_layers: int, num_kv_heads: int) -> int:
         """The most prompt tokens :meth:`select` leaves in this layer's store for a prompt of ``prompt_length`` (the

@@ -336,6 +336,36 @@ def ratio_needed(config: "MethodConfig") -> str | None:
     return None
 
 
+def option_readers(key: str) -> str:
+    """The methods that read option ``key`` (from :data:`METHOD_OPTIONS` and :func:`relevant_options`), in words."""
+    if key in ("value_score", "value_fill"):
+        return "any method, with value_ratio > 0"
+    parts = [p for p in (*EVICTION_METHODS, *CHANNEL_METHODS) if key in relevant_options({"name": p, "value_ratio": 1})]
+    channel_only = all(p in CHANNEL_METHODS for p in parts)
+    if key in _part_options(kvpress_scorer.PREFIX) or key == "budget":
+        parts.append(f"{kvpress_scorer.PREFIX}<press>")
+    how = ("alone or after an eviction method, e.g. snapkv+spark" if channel_only else
+           "alone or with +think / +spark" if not any(p in CHANNEL_METHODS for p in parts) else
+           "alone or combined, e.g. snapkv+spark")
+    return f"{', '.join(parts)} ({how})"
+
+
+def unread_option(config: "MethodConfig", explicit) -> str | None:
+    """The one rule for options a method does not read (CLI, sweep files, multiruns, library): of the ``explicit``
+    options (those set away from their defaults), the first one ``config``'s method ignores (not in
+    :func:`relevant_options`: e.g. ``ratio`` on ``snapkv``, ``budget`` on ``full``, ``variant`` on ``+think``) gives
+    the refusal's text, naming it and the methods that read it; None when every one is read. ``ratio=0`` is the
+    base method of any method, so it is never refused."""
+    relevant = relevant_options(config.to_dict())
+    for key in explicit:
+        value = getattr(config, key)
+        if key in relevant or (key == "ratio" and not value):
+            continue
+        return (f"{key}={_option_text(value)} is not read by {config.name}, so it would change nothing; "
+                f"{key} is read by {option_readers(key)}")
+    return None
+
+
 def sweep_labels(configs: list[MethodConfig]) -> list[str]:
     """One distinct table label per config of a sweep (:attr:`MethodConfig.label`, told apart by
     :func:`tell_apart`); ``ValueError`` (one line) when the sweep lists the same config twice."""

@@ -55,10 +55,10 @@ class AdaSnapKV(SnapKV):
 
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         b, h, s, _ = layer.keys.shape
-        n_keep = resolve_budget(self.budget, s, self.rounding)
-        w = min(self.window_size, s)
-        if n_keep >= s:
+        if self.keeps_whole(s, layer_idx, num_layers):  # within the budget, or no longer than the window
             return None
+        n_keep = resolve_budget(self.budget, s, self.rounding)
+        w = self.window_size
         if n_keep < w:
             if self.budget >= 1:
                 raise ValueError(f"adasnapkv budget {n_keep} tokens is smaller than the observation window {w}")

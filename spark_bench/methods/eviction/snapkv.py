@@ -78,12 +78,17 @@ class SnapKV(EvictionMethod):
         n = self.layer_budget(prompt_length, layer_idx, num_layers)
         return prompt_length if n >= prompt_length else max(n, min(self.window_size, prompt_length))
 
+    def keeps_whole(self, length: int, layer_idx: int, num_layers: int) -> bool:
+        """The layer's budget covers the part, or the part is no longer than the observation window (which is
+        always kept: no token before it to score)."""
+        return length <= self.window_size or self.layer_budget(length, layer_idx, num_layers) >= length
+
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         s = layer.keys.shape[-2]
-        n_keep = self.layer_budget(s, layer_idx, num_layers)
-        w = min(self.window_size, s)
-        if n_keep >= s:
+        if self.keeps_whole(s, layer_idx, num_layers):
             return None
+        n_keep = self.layer_budget(s, layer_idx, num_layers)
+        w = self.window_size
         if n_keep < w:
             if self.budget >= 1:  # a token budget below the window is a config error (also caught at start-up)
                 raise ValueError(f"{type(self).__name__.lower()} budget {n_keep} tokens is smaller than the "

@@ -25,15 +25,19 @@ class StreamingLLM(EvictionMethod):
         n = super().stored_tokens(prompt_length, layer_idx, num_layers, num_kv_heads)
         return n if n >= prompt_length else max(n, min(self.n_sink + 1, prompt_length))
 
+    def keeps_whole(self, length: int, layer_idx: int, num_layers: int) -> bool:
+        """The budget covers the part, or the part is no longer than the sinks and one recent token."""
+        return length <= self.n_sink + 1 or super().keeps_whole(length, layer_idx, num_layers)
+
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         b, h, s, _ = layer.keys.shape
-        n_keep = resolve_budget(self.budget, s, self.rounding)
-        if n_keep >= s:
+        if self.keeps_whole(s, layer_idx, num_layers):
             return None
+        n_keep = resolve_budget(self.budget, s, self.rounding)
         if n_keep <= self.n_sink:
             if self.budget >= 1:
                 raise ValueError(f"streamingllm budget {n_keep} tokens must exceed n_sink={self.n_sink}")
-            n_keep = min(self.n_sink + 1, s)  # a fraction of a short prompt: the sinks and the last token
+            n_keep = self.n_sink + 1  # a fraction of a short prompt: the sinks and the last token
         device = layer.keys.device
         idx = torch.cat([torch.arange(self.n_sink, device=device),
                          torch.arange(s - (n_keep - self.n_sink), s, device=device)])

@@ -21,10 +21,18 @@ class TOVA(EvictionMethod):
     budget: float
     rounding: str = "exact"  # fraction budgets: resolve_budget's rounding (budget_rounding)
 
+    def stored_tokens(self, prompt_length: int, layer_idx: int, num_layers: int, num_kv_heads: int) -> int:
+        """The budget, at least the last token, at most the prompt."""
+        return min(max(resolve_budget(self.budget, prompt_length, self.rounding), 1), prompt_length)
+
+    def keeps_whole(self, length: int, layer_idx: int, num_layers: int) -> bool:
+        """The budget covers the part, or the part is its last token alone."""
+        return length <= 1 or super().keeps_whole(length, layer_idx, num_layers)
+
     def select(self, layer: LayerPrefill, layer_idx: int, num_layers: int) -> TokenSelection | None:
         b, h, s, _ = layer.keys.shape
-        n_keep = resolve_budget(self.budget, s, self.rounding)
-        if n_keep >= s:
+        if self.keeps_whole(s, layer_idx, num_layers):
             return None
+        n_keep = max(resolve_budget(self.budget, s, self.rounding), 1)  # a fraction of a short part: the last token
         scores = window_attention(layer, 1)[..., 0, :-1].mean(dim=1, keepdim=True).expand(b, h, s - 1)
         return top_tokens(scores, n_keep, torch.tensor([s - 1], device=layer.keys.device))
