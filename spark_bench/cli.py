@@ -390,22 +390,28 @@ def protocol_line(cfg: DictConfig) -> str:
 def plan_lines(cfg: DictConfig, model_cfg: ModelConfig, configs: list[MethodConfig]) -> list[str]:
     """The run's cost plan (:mod:`spark_bench.plan`): samples per task, configs, decode forwards, KV per sample and
     hours."""
-    from spark_bench import plan
-
     if cfg.benchmark.get("data_file"):
         return ["plan: the samples of benchmark.data_file (export's records; no published counts to plan with)"]
     if not model_cfg.arch:
         return [f"plan: model {model_cfg.name} has no `arch:` block, so no memory or time estimate"]
+    work, cost = plan_cost(cfg, model_cfg, configs)
+    per_task = ", ".join(f"{w.task} {w.samples}" for w in work)
+    sources = sorted({w.source for w in work})
+    return [f"plan: samples per task ({'/'.join(sources)}): {per_task}", *cost.lines()]
+
+
+def plan_cost(cfg: DictConfig, model_cfg: ModelConfig, configs: list[MethodConfig]):
+    """``(work per task, plan.Cost)`` of a run on its benchmark's published sample counts (model with ``arch:``):
+    what :func:`plan_lines` prints, and what the docs' GPU-hour tables are checked against (tests/test_docs.py)."""
+    from spark_bench import plan
+
     if cfg.benchmark.name == "longbench":
         work = plan.longbench_work(cfg)
         prompt = model_cfg.longbench_max_length or model_cfg.max_length - 500
     else:
         work = plan.ruler_work(cfg, benchmark_tasks(cfg))
         prompt = int(cfg.benchmark.length)
-    per_task = ", ".join(f"{w.task} {w.samples}" for w in work)
-    sources = sorted({w.source for w in work})
-    return [f"plan: samples per task ({'/'.join(sources)}): {per_task}",
-            *plan.estimate(model_cfg, configs, work, prompt).lines()]
+    return work, plan.estimate(model_cfg, configs, work, prompt)
 
 
 @contextmanager

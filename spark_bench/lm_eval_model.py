@@ -3,8 +3,8 @@
 ``spark-bench-lm-eval`` is ``lm_eval`` with one more model type, ``spark-bench`` (lm-eval 0.4 finds models only in
 its own registry, so the command registers it, then runs lm-eval's own command line)::
 
-    spark-bench-lm-eval --model spark-bench \\
-        --model_args pretrained=smollm2-135m,method=snapkv+spark,ratio=0.8,budget=0.2 --tasks <task>
+    .venv/bin/spark-bench-lm-eval --model spark-bench \\
+        --model_args pretrained=smollm2-135m,method=snapkv+spark,ratio=0.8,budget=0.2 --tasks arc_easy
 
 ``pretrained``: a model of ``conf/model/`` (``path=`` overrides its checkpoint); the other arguments are
 :func:`spark_bench.method`'s (``method`` is its name; ``protocol`` defaults to ``official``).

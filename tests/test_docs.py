@@ -118,3 +118,116 @@ def test_the_cfg_job_and_dry_run_commands_written_in_the_docs_run(tmp_path):
             assert "spark-bench (dry run)" in out.stdout, (command, out.stderr[-500:])
             errors = [line for line in out.stderr.splitlines() if "error:" in line]
             assert all("the run would stop:" in line for line in errors), (command, errors)
+
+
+# ---- docs say what the program does (issue 46): figures from the program, every shell command run or marked -------
+
+MAKEFILE = (ROOT / "Makefile").read_text()
+
+
+def _experiments(target: str) -> list[str]:
+    """The experiments a make target runs (its recipe's ``$(call experiment,NAME,…)``)."""
+    match = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", MAKEFILE, flags=re.M)
+    return re.findall(r"\$\(call experiment,(\w+),", match.group(1)) if match else []
+
+
+@pytest.fixture(scope="module")
+def plan_costs():
+    """``experiment → plan.Cost``, as ``make <target> DRY_RUN=true`` computes it (no model, no hub)."""
+    import spark_bench.cli as cli
+    from spark_bench.commandline import compose
+
+    costs: dict = {}
+
+    def cost(name):
+        if name not in costs:
+            cfg = compose([f"+experiment={name}"])
+            model, configs = cli.validate(cfg, sources=False)
+            costs[name] = cli.plan_cost(cfg, model, configs)[1]
+        return costs[name]
+
+    return cost
+
+
+def test_the_documented_gpu_hours_are_the_planners(plan_costs):
+    """README's and docs/tables.md's per-target H100 hours ("decode + ≤ prefill", summed over a target's experiments)
+    and tables.md's KV GiB per sample are what the planner prints now: a change to the planner or the experiments
+    that moves a figure fails here until the docs say it."""
+    checked, drift = 0, []
+    for page in (ROOT / "README.md", ROOT / "docs" / "tables.md"):
+        for target, rest in re.findall(r"^\| `([\w.\-]+)` \|(.*)\|$", page.read_text(), flags=re.M):
+            names = _experiments(target)
+            cells = [c.strip() for c in rest.split("|")]
+            hours = next((c for c in cells if re.fullmatch(r"[\d.]+ \+ ≤ [\d.]+", c)), None)
+            if not names or hours is None:
+                continue
+            costs = [plan_costs(n) for n in names]
+            decode, prefill = (sum(c.hours["h100"][i] for c in costs) for i in (1, 0))
+            want = [f"{decode:.1f} + ≤ {prefill:.1f}"]
+            got = [hours]
+            if page.name == "tables.md":
+                want.append(" / ".join(f"{c.kv_gib_per_sample:.1f}" for c in costs[:1 if "(+" in rest else None]))
+                got.append(cells[-1])
+            checked += 1
+            if got != want:
+                drift.append(f"{page.name} {target}: says {got}, the planner {want}")
+    assert checked >= 20 and not drift, drift
+
+
+def _shell_commands() -> list[tuple[str, str]]:
+    """``(page, command)`` for every line of every ```bash block of the README and docs/ (continuations joined)."""
+    out = []
+    for page in DOCS:
+        for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", page.read_text(), flags=re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                if line.strip():
+                    out.append((page.name, line.strip()))
+    return out
+
+
+# a command that a test cannot run here says why in its comment
+MARKS = ("(needs a GPU", "(needs the hub", "(after make demo", "(on a cluster")
+
+
+def test_every_shell_command_in_the_docs_is_run_or_marked(tmp_path, monkeypatch, capsys):
+    """Each command of a ```bash block: a ``make`` target that exists; a spark-bench console script whose command line
+    composes and validates here like the real start-up (every job of a ``-m``; hub sources not needed), the
+    export one run with tiny sizes so the next command's data file exists; or marked with why it cannot run here."""
+    import shlex
+
+    import spark_bench.cli as cli
+    from spark_bench.checks import check_group_choices, check_launcher
+    from spark_bench.commandline import compose_jobs
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    commands = _shell_commands()
+    assert len(commands) >= 25
+    unrun = []
+    for page, line in commands:
+        command, _, comment = line.partition("  #")
+        if any(mark in comment for mark in MARKS):
+            continue
+        words = shlex.split(command)
+        if words[0] == "make":
+            assert re.search(rf"^{re.escape(words[1])}:", MAKEFILE, flags=re.M), (page, line)
+            continue
+        tool = words[0].removeprefix(".venv/bin/")
+        if tool not in ("spark-bench", "spark-bench-export", "spark-bench-memory"):
+            unrun.append(f"{page}: {line}")
+            continue
+        args = [a.replace("tests/fixtures", str(ROOT / "tests" / "fixtures")) for a in words[1:] if a != "--cfg"
+                and a != "job"]
+        if tool == "spark-bench-export":  # tiny sizes: the file the next command reruns
+            args += ["model=tiny-llama", "benchmark.tasks=[niah_single_1]", "benchmark.num_samples=1",
+                     "benchmark.length=512"]
+            from spark_bench import tools
+
+            monkeypatch.setattr("sys.argv", [tool, *args])
+            tools.export()
+            continue
+        check_group_choices(args)
+        check_launcher(args)
+        for _, cfg in compose_jobs(args):
+            cli.validate(cfg, sources=False)
+    assert not unrun, unrun
