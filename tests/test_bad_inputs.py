@@ -169,6 +169,8 @@ BAD = {
     # paths made from user input stay inside their root (issue 46)
     "run escapes output_root": (["run=../escaped"], "run=../escaped: must stay inside output_root="),
     "run absolute": (["run=/tmp/elsewhere"], "run=/tmp/elsewhere: must stay inside output_root="),
+    "method name as a path": (["sweep.configs=[{name: '../../tests/fixtures/x', budget: 64}]"],
+                              "sweep.configs[0]: unknown method '../../tests/fixtures/x'; valid: full"),
     "sweep entry protocol as a path": (["sweep.configs=[{name: full, protocol: ../method/full}]"],
                                        "sweep.configs[0]: protocol '../method/full': no such protocol config"),
     "ratio no sweep entry reads": (["ratio=0.3"], "ratio=0.3: no entry of sweep.configs reads it (each sets its own, "

@@ -100,6 +100,8 @@ def lookup(name: str) -> External | None:
     """The method of one's own called ``name`` (module docstring for where it is looked up), or None."""
     if name in _REGISTERED:
         return _REGISTERED[name]
+    if Path(name).name != name or name.startswith("."):  # a name, never a path (method/<name>.yaml stays inside)
+        return None
     for directory in _SEARCH_DIRS:
         path = directory / "method" / f"{name}.yaml"
         if path.is_file():
