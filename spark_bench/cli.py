@@ -259,16 +259,20 @@ class quiet_placement(ContextDecorator):  # noqa: N801 — used as a context man
 
 
 @quiet_placement()
-def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[MethodConfig], baseline: int = 0):
+def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[MethodConfig], baseline: int = 0,
+                      samples=None):
     """The run's predicted peak (:func:`spark_bench.memory.choose_decode_batch`): for ``decode_batch`` when set,
-    else for the largest decode batch that fits each device's free memory (or ``memory.limit_gib``). Raises
-    :class:`ConfigError` (one line) when it does not fit and ``memory.check`` is on."""
+    else for the largest decode batch whose peak plus margin fits each device's free memory (or
+    ``memory.limit_gib``). Raises :class:`ConfigError` (one line) when it does not fit and ``memory.check`` is on.
+    ``samples``: the run's samples once made (their lengths replace the bounds, :func:`spark_bench.plan.run_bounds`)."""
     from spark_bench import memory, plan
     from spark_bench.engine.clock import free_memory
 
     devices = memory.placement(model_cfg, resolve_device(cfg.get("device", "auto"), model_cfg))
     tasks = [] if cfg.benchmark.get("data_file") else benchmark_tasks(cfg)
-    prompt, new = plan.run_bounds(cfg, model_cfg, tasks, {c.compress_scope for c in configs})
+    scopes = {c.compress_scope for c in configs}
+    prompt, new = plan.run_bounds(cfg, model_cfg, tasks, scopes, samples)
+    suffix, graph = plan.suffix_bound(cfg, model_cfg, tasks, scopes, samples), bool(cfg.get("decode_graph", True))
     limit = cfg.memory.get("limit_gib")
     if limit is None:
         absent = [d.name for d in devices if d.name.startswith("cuda") and not cuda_exists(d.name)]
@@ -277,15 +281,17 @@ def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[Met
                               f"this machine lacks; to predict for those GPUs, give their size: memory.limit_gib=80")
     limits = {d.name: int(limit * memory.GIB) if limit is not None else free_memory(d.name) for d in devices}
     prediction, over = memory.choose_decode_batch(model_cfg, configs, prompt, new, cfg.get("decode_batch"),
-                                                  cfg.get("decode_samples", 1), devices, limits, baseline)
+                                                  cfg.get("decode_samples", 1), devices, limits, baseline, suffix,
+                                                  graph)
     if over and not cfg.memory.get("check", True):  # run anyway, as configured
         return memory.predict_run(model_cfg, configs, prompt, new, cfg.get("decode_batch"),
-                                  cfg.get("decode_samples", 1), devices, baseline)
+                                  cfg.get("decode_samples", 1), devices, baseline, suffix, graph)
     if over:
         device, room = over[0]
         what = "memory.limit_gib" if limit is not None else "free"
         raise ConfigError(
-            f"memory: predicted peak {(device.peak - device.baseline) / memory.GIB:.1f} GiB on {device.device} exceeds "
+            f"memory: predicted peak {(device.needed - device.baseline) / memory.GIB:.1f} GiB (margin included) on "
+            f"{device.device} exceeds "
             f"its {room / memory.GIB:.1f} GiB {what} even at decode_batch={prediction.decode_batch} "
             f"({device.line().split(' = ', 1)[1]}); lower decode_samples, decode_batch or the longest prompt "
             f"(benchmark.length / longbench.max_length), or spread the model with model.device_map=auto "
@@ -524,12 +530,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
     start = time.perf_counter()
     return_freed_memory()
     tokenizer = load_tokenizer(model_cfg)  # (cached for load_model) in the resident baseline of the prediction
-    prediction = memory_prediction(cfg, model_cfg, configs, baseline=resident_now())  # before the model loads
-    decode_batch = cfg.get("decode_batch")
-    if decode_batch is None and prediction.decode_batch < prediction.rows:
-        decode_batch = prediction.decode_batch
-        LOG.info(f"memory: decode_batch={decode_batch} (all {prediction.rows} rows together are predicted not to "
-                 "fit)")
+    memory_prediction(cfg, model_cfg, configs, baseline=resident_now())  # the bounds: refused before anything is written
     with _locked(out_dir, wait=bool(cfg.get("wait_lock", False))):
         text = LoadedModel(model_cfg, None, tokenizer)  # the samples need the tokenizer, not the model
         try:
@@ -541,6 +542,12 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
             raise ConfigError(str(err)) from None
         for line in budget_warnings(samples, configs, num_layers(model_cfg)):
             LOG.warning(f"warning: {line}")
+        prediction = memory_prediction(cfg, model_cfg, configs, baseline=resident_now(), samples=samples)
+        decode_batch = cfg.get("decode_batch")  # ^ the samples' own lengths, before the model loads
+        if decode_batch is None and prediction.decode_batch < prediction.rows:
+            decode_batch = prediction.decode_batch
+            LOG.info(f"memory: decode_batch={decode_batch} (all {prediction.rows} rows together are predicted not "
+                     f"to fit with their margin: {max(prediction.devices, key=lambda d: d.needed).line()})")
         payload = run_payload(cfg, text, samples, configs)
         try:
             from spark_bench.methods.pipeline import sweep_labels

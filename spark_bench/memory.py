@@ -243,6 +243,26 @@ def prefill_work(arch: Arch, seq_len: int, itemsize: int, query_stats: bool) -> 
 
 
 STEP_WORK_BOUND = 256 * 2 ** 20  # engine.cache.BatchedLayer.work_bytes: a suffix's query rows go in chunks under it
+CUDA_WORKSPACE = 320 * 2 ** 20  # per CUDA device: cuBLAS and cuBLASLt workspaces (PyTorch's defaults, ≤ 32 MiB each
+#                                 per stream) and what the runtime loads after the start-up check reads free memory
+#                                 (the kernels' modules, library handles): an allowance, not a measurement
+FRAGMENTATION = 0.05  # per CUDA device: of the peak above the weights, reserved by the allocator but not handed out
+#                       (block rounding; the allocator runs with expandable_segments, engine/clock.py): an allowance
+
+
+def cpu_overhead(arch: Arch, device: Device, batch: int, footprint: Footprint) -> int:
+    """CPU: what the process's resident set holds besides the baseline, the weights and the tensors."""
+    return 0
+
+
+def check_work(arch: Arch, prompt: int, suffix: int = 0) -> int:
+    """Bytes of the run-time check of a kernel variant (:mod:`spark_bench.engine.fastpaths`), once per variant at
+    the decode moment of the run's first batch, one row at a time: the row's keys rebuilt in float32 with their mask
+    unpacked, its values in float32 (``9·H_kv·S·D``), and its scores with their exponentials, query rows in chunks
+    under :data:`STEP_WORK_BOUND` (``2·H_q·q·S·4``)."""
+    h, hq, d = arch.num_kv_heads, arch.num_heads, arch.head_dim
+    q_rows = max(1, suffix)
+    return 9 * h * prompt * d + 2 * min(hq * q_rows * prompt * 4, max(STEP_WORK_BOUND, hq * prompt * 4))
 
 
 def step_work(arch: Arch, rows: int, prompt: int, capacity: int, itemsize: int, loose: int, ada: int,
@@ -284,28 +304,50 @@ class Footprint:
     step_work: int       # one layer's decode-step temporaries
     holds_prefill: bool  # the prefill is alive while the batch decodes
     baseline: int = 0    # CPU: the process's resident memory when predicted (what the measured peak starts from)
+    check_work: int = 0  # the run-time check of a kernel variant: one row's keys and values rebuilt in float32
+    overhead: int = 0    # CPU: runtime and allocator overhead the resident set holds besides the tensors
+    graph_pool: int = 0  # CUDA: the captured step's private memory pool (its temporaries, not reusable eagerly)
+    workspace: int = 0   # CUDA: cuBLAS/cuBLASLt workspaces and the runtime's modules loaded after the check
+    fragmentation: int = 0  # CUDA: memory the allocator reserves but cannot hand out (FRAGMENTATION of the peak)
 
     @property
     def moments(self) -> dict[str, int]:
         held = self.prefill_kv if self.holds_prefill else 0
         return {"prefill": self.prefill_kv + self.prefill_work,
                 "compression": self.prefill_kv + self.memo + self.caches + self.compress_work,
-                "decode": held + self.caches + self.tail + self.step_work}
+                "decode": held + self.caches + self.tail + max(self.step_work, self.check_work)}
 
     @property
     def peak(self) -> int:
-        return self.baseline + self.weights + max(self.moments.values())
+        """What the run's measured peak is compared with: CUDA ``max_memory_allocated``, CPU the resident set."""
+        return self.baseline + self.overhead + self.weights + max(self.moments.values())
+
+    @property
+    def margin(self) -> int:
+        """Memory the device must have besides :attr:`peak`: graph pool, workspaces, fragmentation (CUDA)."""
+        return self.graph_pool + self.workspace + self.fragmentation
+
+    @property
+    def needed(self) -> int:
+        """:attr:`peak` plus :attr:`margin`: what the start-up check compares with the device's free memory."""
+        return self.peak + self.margin
 
     def line(self) -> str:
         moment = max(self.moments, key=self.moments.get)
         base = f"process {self.baseline / GIB:.2f} + " if self.baseline else ""
+        base += f"runtime {self.overhead / GIB:.2f} + " if self.overhead else ""
+        step = (f" + step work {self.step_work / GIB:.2f}" if self.step_work >= self.check_work else
+                f" + check work {self.check_work / GIB:.2f}")
+        margin = (f"; + margin {self.margin / GIB:.2f} (graph pool {self.graph_pool / GIB:.2f}, workspaces "
+                  f"{self.workspace / GIB:.2f}, fragmentation {self.fragmentation / GIB:.2f}) = "
+                  f"{self.needed / GIB:.2f} GiB needed" if self.margin else "")
         return (f"{self.device}: peak {self.peak / GIB:.2f} GiB at {moment} = {base}weights {self.weights / GIB:.2f}"
                 f" + prefill KV {self.prefill_kv / GIB:.2f}" + (
                     f" + prefill work {self.prefill_work / GIB:.2f}" if moment == "prefill" else
                     f" + scores {self.memo / GIB:.2f} + caches {self.caches / GIB:.2f} + work "
                     f"{self.compress_work / GIB:.2f}" if moment == "compression" else
                     f" (held: {self.holds_prefill}) + caches {self.caches / GIB:.2f} + tail {self.tail / GIB:.2f}"
-                    f" + step work {self.step_work / GIB:.2f}"))
+                    + step) + margin)
 
 
 @dataclass(frozen=True)
@@ -320,9 +362,14 @@ class RunPrediction:
     def peak(self) -> int:
         return sum(d.peak for d in self.devices)
 
+    @property
+    def margin(self) -> int:
+        return sum(d.margin for d in self.devices)
+
     def lines(self) -> list[str]:
         head = (f"memory: prompts ≤ {self.prompt_tokens} tokens, ≤ {self.new_tokens} new; decode batches of "
-                f"{self.decode_batch} of {self.rows} rows; predicted peak {self.peak / GIB:.2f} GiB")
+                f"{self.decode_batch} of {self.rows} rows; predicted peak {self.peak / GIB:.2f} GiB" +
+                (f" + margin {self.margin / GIB:.2f} GiB" if self.margin else ""))
         return [head] + [f"memory: {d.line()}" for d in self.devices]
 
 
@@ -367,11 +414,19 @@ def _row_groups(configs: list[MethodConfig], arch: Arch, seq_len: int, dtype: st
 
 def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: int, new_tokens: int,
                 decode_batch: int | None, decode_samples: int, devices: list[Device] | None = None,
-                baseline: int = 0) -> RunPrediction:
+                baseline: int = 0, suffix: int | None = None, graph: bool = True) -> RunPrediction:
     """The peak of a run of ``configs`` (``decode_samples`` samples per decode group, ``decode_batch`` rows per
     batch, None = all) on prompts of at most ``prompt_tokens`` tokens and at most ``new_tokens`` decoded ones
     (suffixes included), on ``devices`` (default: one device with every layer). ``baseline``: resident bytes
-    already held (CPU)."""
+    already held (CPU). ``suffix``: the most tokens a row runs through its cache in one forward before decoding
+    (:func:`~spark_bench.plan.suffix_bound`; None: ``new_tokens`` when a config compresses less than the prompt).
+    ``graph``: decode steps may be captured in CUDA graphs (``decode_graph``; their pool is in the margin).
+
+    Besides the tensors, per CUDA device: the run-time check of each kernel variant (:data:`check_work`, at the
+    decode moment), and a margin the start-up check adds (:attr:`Footprint.needed`): the captured step's pool (its
+    step temporaries again, where the batch can be graphed), :data:`CUDA_WORKSPACE` and :data:`FRAGMENTATION` of
+    the peak above the weights. On the CPU the resident set also holds the runtime's and the allocator's own memory
+    (:func:`cpu_overhead`), counted in the peak."""
     arch, dtype = Arch.of(model), getattr(torch, model.dtype)
     e = dtype.itemsize
     s, lay = prompt_tokens, arch.num_layers
@@ -403,18 +458,30 @@ def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: 
     tail = batch * lay * 2 * h * capacity * d * e
     loose = sum(1 for _, c in plan_rows[:batch] if not store_bytes(c, arch, model.dtype).stacks)
     ada = sum(1 for _, c in plan_rows[:batch] if isinstance(Pipeline.from_config(c).eviction, AdaSnapKV))
-    suffix = capacity if any(c.compress_scope != "prompt" for c in configs) else 0  # ≤ new tokens (suffix included)
+    scoped = any(c.compress_scope != "prompt" for c in configs)
+    suffix = (capacity if scoped else 0) if suffix is None else suffix  # ≤ new tokens (suffix included)
     work = step_work(arch, batch, s, capacity, e, loose, ada, suffix)
     logits = 2 * batch * arch.vocab_size * 4
+    check = check_work(arch, s, suffix) if any(store_bytes(c, arch, model.dtype).stacks for c in configs) else 0
+    cuda = [dev for dev in devices if dev.name.startswith("cuda") and dev.layers]
+    graphed = graph and loose == 0 and len(cuda) == 1  # decode.StepGraph: every row stacked, one device
     out = []
     for dev in devices:
         f = dev.layers / lay
-        out.append(Footprint(
+        on_cuda = dev.name.startswith("cuda")
+        step = (work[on_cuda] if dev.layers else 0) + (logits if dev.last else 0)
+        footprint = Footprint(
             dev.name, dev.layers, dev.weights, int(f * prefill_kv),
             (prefill_work(arch, s, e, stats) if dev.layers else 0) + int(f * captured), int(f * memo), int(f * worst),
-            compress_work if dev.layers else 0, int(f * tail),
-            (work[dev.name.startswith("cuda")] if dev.layers else 0) + (logits if dev.last else 0), holds,
-            baseline if dev.name == "cpu" else 0))
+            compress_work if dev.layers else 0, int(f * tail), step, holds,
+            baseline if dev.name == "cpu" else 0, check if dev.layers else 0)
+        if on_cuda:
+            footprint = dataclasses.replace(
+                footprint, graph_pool=step if graphed and dev in cuda else 0, workspace=CUDA_WORKSPACE,
+                fragmentation=int(FRAGMENTATION * max(footprint.moments.values())))
+        elif dev.name == "cpu":
+            footprint = dataclasses.replace(footprint, overhead=cpu_overhead(arch, dev, batch, footprint))
+        out.append(footprint)
     return RunPrediction(s, new_tokens, rows_total, batch, out)
 
 
@@ -452,16 +519,19 @@ def placement(model: ModelConfig, device: str) -> list[Device]:
 
 def over_limit(prediction: RunPrediction, limits: dict[str, int]) -> list[tuple[Footprint, int]]:
     """The devices whose predicted peak (less the CPU's resident baseline, already in use) exceeds ``limits``."""
-    return [(d, limits[d.device]) for d in prediction.devices if d.peak - d.baseline > limits[d.device]]
+    return [(d, limits[d.device]) for d in prediction.devices if d.needed - d.baseline > limits[d.device]]
 
 
 def choose_decode_batch(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: int, new_tokens: int,
                         decode_batch: int | None, decode_samples: int, devices: list[Device], limits: dict[str, int],
-                        baseline: int = 0) -> tuple[RunPrediction, list[tuple[Footprint, int]]]:
+                        baseline: int = 0, suffix: int | None = None,
+                        graph: bool = True) -> tuple[RunPrediction, list[tuple[Footprint, int]]]:
     """The prediction for ``decode_batch`` rows per batch when the user set it; else for the largest batch whose
-    prediction fits ``limits`` (bytes per device). Also the devices that do not fit (empty: it fits)."""
+    prediction plus margin (:attr:`Footprint.needed`) fits ``limits`` (bytes per device). Also the devices that do
+    not fit (empty: it fits)."""
     def at(batch: int) -> tuple[RunPrediction, list]:
-        prediction = predict_run(model, configs, prompt_tokens, new_tokens, batch, decode_samples, devices, baseline)
+        prediction = predict_run(model, configs, prompt_tokens, new_tokens, batch, decode_samples, devices, baseline,
+                                 suffix, graph)
         return prediction, over_limit(prediction, limits)
 
     rows = len(configs) * decode_samples

@@ -106,23 +106,36 @@ TEMPLATE_TOKENS = 64    # a bound on what a chat template adds around a truncate
 QUESTION_TOKENS = 512   # compress_scope=context: an assumed bound on a question run through the cache (not measured)
 
 
-def run_bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str]) -> tuple[int, int]:
-    """(longest prompt, most tokens run through a compressed cache) of a run, before any data is tokenized:
-    exported samples are measured; RULER's prompts are at most ``benchmark.length``; LongBench's at most its
-    truncation limit plus :data:`TEMPLATE_TOKENS`. The second number bounds the decoded tokens plus the suffix
-    the ``scopes`` (the configs' ``compress_scope``) run through the cache: the turn end under ``question``
-    (:data:`TEMPLATE_TOKENS`), also the question under ``context`` (:data:`QUESTION_TOKENS`)."""
+def run_bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samples=None) -> tuple[int, int]:
+    """(longest prompt, most tokens run through a compressed cache) of a run: measured on ``samples`` (or on
+    exported samples, ``benchmark.data_file``) where given; before any data is tokenized, RULER's prompts are at most
+    ``benchmark.length`` and LongBench's at most its truncation limit plus :data:`TEMPLATE_TOKENS`. The second
+    number bounds the decoded tokens plus the suffix the ``scopes`` (the configs' ``compress_scope``) run through
+    the cache (:func:`suffix_bound`)."""
+    prompt, new, suffix = _bounds(cfg, model, tasks, scopes, samples)
+    return prompt, new + suffix
+
+
+def suffix_bound(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samples=None) -> int:
+    """The most tokens a sample runs through its compressed cache in one forward before decoding (its suffix):
+    measured on ``samples`` (or exported ones); else the turn end under ``question`` (:data:`TEMPLATE_TOKENS`),
+    also the question under ``context`` (:data:`QUESTION_TOKENS`), 0 under ``prompt``."""
+    return _bounds(cfg, model, tasks, scopes, samples)[2]
+
+
+def _bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samples=None) -> tuple[int, int, int]:
     from spark_bench.benchmarks.longbench import truncation_limit
 
-    if cfg.benchmark.get("data_file"):
+    if samples is None and cfg.benchmark.get("data_file"):
         from spark_bench.benchmarks.export import read_samples
 
         samples = read_samples(cfg.benchmark.data_file)
+    if samples is not None:
         if not samples:
-            return 1, 1
+            return 1, 1, 0
         suffix = max([0] + [len(s.input_ids) - s.scope_end(scope) for s in samples for scope in scopes
                             if scope == "prompt" or getattr(s, f"{scope}_end") is not None])
-        return max(len(s.input_ids) for s in samples), max(s.max_new_tokens for s in samples) + suffix
+        return max(len(s.input_ids) for s in samples), max(s.max_new_tokens for s in samples), suffix
     if cfg.benchmark.name == "longbench":
         work = longbench_work(cfg)
         prompt = truncation_limit(model, cfg.longbench.get("max_length")) + TEMPLATE_TOKENS
@@ -131,7 +144,7 @@ def run_bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str]) -> t
         prompt = int(cfg.benchmark.length)
     suffix = (TEMPLATE_TOKENS + QUESTION_TOKENS if "context" in scopes else
               TEMPLATE_TOKENS if "question" in scopes else 0)
-    return prompt, max(w.new_tokens for w in work) + suffix
+    return prompt, max(w.new_tokens for w in work), suffix
 
 
 @dataclass(frozen=True)

@@ -154,12 +154,16 @@ def test_the_run_splits_its_decode_batches_to_fit(tmp_path):
     decode batch that fits and gives the tokens of the unsplit run."""
     base = ["model=tiny-llama", "benchmark.tasks=[niah_single_1]", "benchmark.num_samples=1", "benchmark.length=1024",
             "progress=false"]
+    from spark_bench.cli import load_samples
+    from spark_bench.models import LoadedModel, load_tokenizer
+
     cfg = _compose(base)
     model, configs = validate(cfg)
-    whole = memory_prediction(cfg, model, configs)
-    one = memory_prediction(_compose(base + ["decode_batch=1"]), model, configs)
+    samples = load_samples(cfg, LoadedModel(model, None, load_tokenizer(model)))  # the run predicts from them
+    whole = memory_prediction(cfg, model, configs, samples=samples)
+    one = memory_prediction(_compose(base + ["decode_batch=1"]), model, configs, samples=samples)
     limit = (whole.peak + one.peak) / 2 / memory.GIB
-    split = memory_prediction(_compose(base + [f"memory.limit_gib={limit}"]), model, configs)
+    split = memory_prediction(_compose(base + [f"memory.limit_gib={limit}"]), model, configs, samples=samples)
     assert 1 <= split.decode_batch < whole.decode_batch == len(configs)
     run(_compose(base + [f"memory.limit_gib={limit}", f"output_root={tmp_path}", "run=split"]), tmp_path / "split")
     run(_compose(base + [f"output_root={tmp_path}", "run=whole"]), tmp_path / "whole")
@@ -230,3 +234,58 @@ def test_the_slurm_launcher_asks_for_the_models_gpus_and_host_memory(model, gpus
         cfg = compose("config", overrides=[f"model={model}", "hydra/launcher=slurm"], return_hydra_config=True)
     assert (cfg.hydra.launcher.gpus_per_node, cfg.hydra.launcher.mem_gb) == (gpus, mem)
     assert cfg.model.device_map == ("auto" if gpus > 1 else None)
+
+
+HEADROOM = [MethodConfig(name="snapkv", budget=512), MethodConfig(name="snapkv+spark", budget=512, ratio=0.8)]
+
+
+def test_the_planner_adds_the_graph_pool_workspaces_and_a_fragmentation_margin():
+    """On a CUDA device: the run-time check's work at the decode moment, and a margin besides the allocated peak —
+    the captured step's pool (where the batch can be graphed: every row stacked, one device), the workspaces and
+    5% of the peak above the weights — that the start-up check adds; none of it on the CPU."""
+    model = model_config("llama3.1-8b")
+    weights = int(memory.Arch.of(model).num_params * 2)
+    gpu = [memory.Device("cuda:0", weights, 32)]
+    d = memory.predict_run(model, HEADROOM, 8192, 64, None, 1, gpu, suffix=8).devices[0]
+    assert d.graph_pool == d.step_work > 0 and d.workspace == memory.CUDA_WORKSPACE
+    assert d.fragmentation == int(memory.FRAGMENTATION * max(d.moments.values()))
+    assert d.needed == d.peak + d.margin and "GiB needed" in d.line()
+    assert d.moments["decode"] == d.caches + d.tail + max(d.step_work, d.check_work) and not d.holds_prefill
+    assert d.check_work == memory.check_work(memory.Arch.of(model), 8192, 8) > 8 * 8192 * 128 * 9
+    eager = memory.predict_run(model, HEADROOM, 8192, 64, None, 1, gpu, suffix=8, graph=False).devices[0]
+    loose = memory.predict_run(model, HEADROOM + [MethodConfig(name="snapkv+spark", budget=512, ratio=0.8,
+                                                               recovery="gaussian")], 8192, 64, None, 1, gpu,
+                               suffix=8).devices[0]
+    two = memory.predict_run(model, HEADROOM, 8192, 64, None, 1, [memory.Device("cuda:0", weights // 2, 16),
+                                                                  memory.Device("cuda:1", weights // 2, 16)])
+    assert eager.graph_pool == loose.graph_pool == 0 and all(x.graph_pool == 0 for x in two.devices)
+    cpu = memory.predict_run(model, HEADROOM, 8192, 64, None, 1, suffix=8).devices[0]
+    assert cpu.margin == 0 and cpu.check_work == d.check_work
+
+
+def test_the_start_up_check_fits_the_peak_with_its_margin():
+    """A device with room for the peak but not its margin: a smaller decode batch is chosen; with room for no batch,
+    the refusal names the peak with its margin."""
+    model = model_config("llama3.1-8b")
+    gpu = [memory.Device("cuda:0", int(memory.Arch.of(model).num_params * 2), 32)]
+    configs = [MethodConfig(name="snapkv+spark", budget=0.5, ratio=r / 10) for r in range(1, 9)]  # decode-bound
+    whole = memory.predict_run(model, configs, 32768, 64, None, 1, gpu, suffix=8).devices[0]
+    chosen, over = memory.choose_decode_batch(model, configs, 32768, 64, None, 1, gpu, {"cuda:0": whole.peak + 1},
+                                              suffix=8)
+    assert not over and chosen.decode_batch < len(configs) and chosen.devices[0].needed <= whole.peak + 1
+    one = memory.predict_run(model, configs, 32768, 64, 1, 1, gpu, suffix=8)
+    assert memory.over_limit(one, {"cuda:0": one.devices[0].peak})  # room for the peak alone: refused
+
+
+def test_the_allocator_gets_expandable_segments_unless_the_user_set_it():
+    from spark_bench.engine.clock import EXPANDABLE, use_expandable_segments
+
+    env = {}
+    assert use_expandable_segments(env) == EXPANDABLE == env["PYTORCH_CUDA_ALLOC_CONF"]
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    assert use_expandable_segments(mine) == "max_split_size_mb:128" and len(mine) == 1
+    newer = {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}
+    assert use_expandable_segments(newer) == "expandable_segments:False" and len(newer) == 1
+    import os
+
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")  # set at import

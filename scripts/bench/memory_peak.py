@@ -44,8 +44,10 @@ def summarize(report: dict) -> dict:
     held = device["prefill_kv"] if device["holds_prefill"] else 0
     moments = {"prefill": device["prefill_kv"] + device["prefill_work"],
                "compression": device["prefill_kv"] + device["memo"] + device["caches"] + device["compress_work"],
-               "decode": held + device["caches"] + device["tail"] + device["step_work"]}
+               "decode": held + device["caches"] + device["tail"] + max(device["step_work"],
+                                                                         device.get("check_work", 0))}
     predicted_dynamic = max(moments.values())
+    predicted_dynamic += device.get("overhead", 0)  # the runtime and allocator overhead the planner adds on the CPU
     measured_dynamic = report["measured_peak_bytes"] - report["resident_after_load_bytes"]
     mib = 2 ** 20
     return {"predicted_peak_mib": round(report["predicted_peak_bytes"] / mib, 1),

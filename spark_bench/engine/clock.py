@@ -12,6 +12,7 @@ started). :class:`OpCounter` counts the aten operations a block dispatches and h
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 import sys
@@ -21,6 +22,26 @@ from pathlib import Path
 import torch
 
 Devices = torch.device | str | list | tuple | None  # one device, or every device the model lives on
+
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # PyTorch's allocator settings (the second: ≥ 2.8)
+EXPANDABLE = "expandable_segments:True"
+
+
+def use_expandable_segments(environ=os.environ) -> str | None:
+    """Let CUDA's caching allocator grow segments in place (``expandable_segments``): blocks freed by one decode
+    batch are reused by the next whatever their sizes, so little memory is reserved but unusable (the planner's
+    :data:`~spark_bench.memory.FRAGMENTATION` allowance). Set in ``PYTORCH_CUDA_ALLOC_CONF`` when this module is
+    imported, before CUDA initialises (the allocator reads it then); a setting the user made is kept as it is.
+    Returns the setting in force (None: CUDA was initialised before, the allocator keeps its own)."""
+    if any(key in environ for key in ALLOC_CONF):
+        return next(environ[key] for key in ALLOC_CONF if key in environ)
+    if torch.cuda.is_initialized():
+        return None
+    environ[ALLOC_CONF[0]] = EXPANDABLE
+    return EXPANDABLE
+
+
+use_expandable_segments()
 
 
 def _devices(devices) -> list[torch.device]:
