@@ -77,7 +77,8 @@ def method_configs(cfg: DictConfig) -> list[MethodConfig]:
     base = {k: cfg[k] for k in method_options() if k in cfg}
     if isinstance(base.get("kvpress"), DictConfig):
         base["kvpress"] = OmegaConf.to_container(base["kvpress"])
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain = {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
+             for k, v in ((k, cfg.get(k)) for k in method_options())}  # the method options only (run= may not resolve)
     defaults = default_options(cfg)
     explicit = [k for k in method_options() if plain.get(k) != defaults.get(k)
                 and not (k == "ratio" and not plain.get(k))]  # ratio null or 0: the base method

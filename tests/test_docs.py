@@ -231,3 +231,39 @@ def test_every_shell_command_in_the_docs_is_run_or_marked(tmp_path, monkeypatch,
         for _, cfg in compose_jobs(args):
             cli.validate(cfg, sources=False)
     assert not unrun, unrun
+
+
+def test_the_documented_gpu_peaks_are_the_planners():
+    """docs/gpu.md's predicted peaks ("peak + margin = needed GiB", decode batches) are those the planner wrote to
+    results/bench/planner_peaks.json (scripts/bench/planner_peaks.py, ``make bench``; its latest section), row by
+    row; the table1 row is recomputed here by the planner itself (the other rows place 32B-70B models: minutes)."""
+    import json
+
+    from spark_bench import memory
+
+    peaks = json.loads((ROOT / "results" / "bench" / "planner_peaks.json").read_text())
+    latest = list(peaks.values())[-1]
+    keys = ["tab_full_llama3.1-70b", "tab_full_llama3.1-70b 2xH200", "tab_full_qwen3-32b 2xH100",
+            "tab_full_qwen3-32b 1xH100", "tab_full_llama3.1-8b", "table1"]
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    rows = re.findall(r"\| ([\d.]+) \+ ([\d.]+) = ([\d.]+) GiB, (?:decode )?(?:batches of (\d+)|all (\d+) rows)", text)
+    assert len(rows) == len(keys), rows
+    for key, (peak, margin, needed, batch, every) in zip(keys, rows):
+        run = latest[key]
+        for shown, k in zip((peak, margin, needed), ("fullest_gib", "margin_gib", "needed_gib")):
+            assert abs(float(shown) - run[k]) <= 0.05 + 1e-9, (key, k, shown, run[k])  # one decimal of the JSON's two
+        assert int(batch or every) == run["decode_batch"] and (not every or run["decode_batch"] == run["rows"]), key
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("planner_peaks", ROOT / "scripts" / "bench" / "planner_peaks.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from spark_bench.cli import memory_prediction, validate
+    from spark_bench.commandline import compose
+
+    cfg = compose(["memory.limit_gib=79", *script.RUNS["table1"]])
+    model, configs = validate(cfg, sources=False)
+    prediction = memory_prediction(cfg, model, configs)
+    fullest = max(prediction.devices, key=lambda d: d.needed)
+    assert (round(fullest.peak / memory.GIB, 2), prediction.decode_batch) == \
+        (latest["table1"]["fullest_gib"], latest["table1"]["decode_batch"])
