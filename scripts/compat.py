@@ -82,7 +82,7 @@ def main() -> None:
         run(str(python), "-m", "pip", "install", "-q", f"transformers=={wanted}")
         got = version(python, "transformers")
         begin = time.perf_counter()
-        code = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.tests],
+        code = subprocess.run([str(python), "-m", "pytest", "-p", "no:cacheprovider", *args.tests],
                               cwd=ROOT).returncode
         results.append((label, got, code, time.perf_counter() - begin))
     for label, got, code, seconds in results:
