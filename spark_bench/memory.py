@@ -250,9 +250,18 @@ FRAGMENTATION = 0.05  # per CUDA device: of the peak above the weights, reserved
 #                       (block rounding; the allocator runs with expandable_segments, engine/clock.py): an allowance
 
 
+CPU_RUNTIME_PER_LAYER = 9 * 2 ** 20  # CPU: resident memory a process's first decode batch holds per decoder layer
+#                                      besides its tensors (measured on this CPU, issue 46: SmolLM2's first batch
+#                                      270 MiB above its tensors over 30 layers, tiny-llama's ≈ 2 MiB over 2 layers)
+
+
 def cpu_overhead(arch: Arch, device: Device, batch: int, footprint: Footprint) -> int:
-    """CPU: what the process's resident set holds besides the baseline, the weights and the tensors."""
-    return 0
+    """CPU: what the process's resident set holds at its peak besides the baseline, the weights and the tensors the
+    moments count — the runtime's and the allocator's own memory of a decode batch (the heap glibc keeps for the
+    step's many small blocks, which decoding does not map apart: ``engine.clock.mapped_large_blocks``), counted per
+    decoder layer on the device (:data:`CPU_RUNTIME_PER_LAYER`, a measured allowance, not a model of the
+    allocator)."""
+    return device.layers * CPU_RUNTIME_PER_LAYER
 
 
 def check_work(arch: Arch, prompt: int, suffix: int = 0) -> int:

@@ -130,9 +130,10 @@ def _peak_ratio(tmp_path, args):
 
 @pytest.mark.parametrize("args", [["model=tiny-llama", "benchmark.length=4096"],
                                   ["benchmark.length=2048", "benchmark.max_new_tokens=8"]], ids=["tiny-llama", "smollm2"])
-def test_predicted_peak_is_within_20_percent_of_the_measured_one(tmp_path, args):
-    """The peak resident set of a whole run (fresh process) against the prediction made before the model loaded."""
-    assert 0.8 <= _peak_ratio(tmp_path, args) <= 1.2
+def test_predicted_peak_is_within_10_percent_of_the_measured_one(tmp_path, args):
+    """The peak resident set of a whole run (fresh process) against the prediction made before the model loaded,
+    the runtime's and allocator's own memory included (``memory.cpu_overhead``)."""
+    assert 0.9 <= _peak_ratio(tmp_path, args) <= 1.1
 
 
 def test_a_sweep_predicted_not_to_fit_stops_before_the_model_loads(tmp_path, monkeypatch):

@@ -337,6 +337,7 @@ class BatchedLayer(CacheLayerMixin):
         self.kernel_writes_tail = (self.backend == "triton" and bool(self.units) and not self.loose
                                    and all(unit["index"] is None for unit in self.units))
         self.pending = None
+        self._kernel_rows_now, self._variants = None, {}  # the run-time check's view of these rows (fastpaths.py)
 
     def _valid(self, rows: list[int]) -> list:
         """Per query head of ``rows``: its AdaKV validity bits and their byte offset, or None (every token valid)."""
@@ -394,7 +395,7 @@ class BatchedLayer(CacheLayerMixin):
         if self.reference:
             out = self._attend_rows(_scaled(grouped, scaling), q_len, "materialize")
         else:
-            variant = self._variant(grouped, q_len, mode)
+            variant = self._variant(grouped, q_len, mode) if self.fast_paths.enabled else None
             if variant is not None and self.fast_paths.due(variant):
                 out = self._attend_checked(variant, grouped, scaling, q_len, mode)
             else:
@@ -412,15 +413,23 @@ class BatchedLayer(CacheLayerMixin):
 
     def _kernel_rows(self) -> list[int]:
         """The rows whose prompt attention a compiled kernel computes: the fused kernel's stacked rows on CUDA; on
-        the CPU every row whose key store the C++ kernel serves (stacked, or through its one-store table)."""
-        if self.backend == "triton":
-            return list(self.stacked)
-        device = self.tail_keys.device
-        return [i for i, row in enumerate(self.rows) if kernel_blocker(row.key_store, device) is None]
+        the CPU every row whose key store the C++ kernel serves (stacked, or through its one-store table). Kept
+        until the rows change (:meth:`_arrange`)."""
+        if self._kernel_rows_now is None:
+            device = self.tail_keys.device
+            self._kernel_rows_now = list(self.stacked) if self.backend == "triton" else [
+                i for i, row in enumerate(self.rows) if kernel_blocker(row.key_store, device) is None]
+        return self._kernel_rows_now
 
     def _variant(self, grouped: torch.Tensor, q_len: int, mode: str) -> str | None:
         """The kernel specialisation this attention runs (None: no compiled kernel computes any row): backend,
         dtype, head dim, heads per work item (fused kernel), a one-token step or a suffix."""
+        key = (mode, grouped.dtype, grouped.shape[2], q_len == 1)
+        if key not in self._variants:
+            self._variants[key] = self._name_variant(grouped, q_len, mode)
+        return self._variants[key]
+
+    def _name_variant(self, grouped: torch.Tensor, q_len: int, mode: str) -> str | None:
         if mode != "compact" or not self._kernel_rows():
             return None
         dtype, d = str(grouped.dtype).removeprefix("torch."), grouped.shape[-1]
