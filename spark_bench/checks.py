@@ -213,7 +213,7 @@ def budget_warnings(samples, configs, num_layers: int = 1) -> list[str]:
     part no longer than what the method always keeps, e.g. SnapKV's observation window): those rows are the full
     cache under the budget's label. Says how many samples and the longest such part. ``num_layers``: the model's
     (PyramidKV's budget differs per layer)."""
-    from spark_bench.methods.pipeline import DISPLAY, build_eviction
+    from spark_bench.methods.pipeline import build_eviction, display
 
     groups: dict = {}
     for c in configs:
@@ -228,9 +228,10 @@ def budget_warnings(samples, configs, num_layers: int = 1) -> list[str]:
         c = members[0]
         always = {"snapkv": f"window_size={c.window_size}", "pyramidkv": f"window_size={c.window_size}",
                   "adasnapkv": f"window_size={c.window_size}", "streamingllm": f"n_sink+1={c.n_sink + 1}",
-                  "expected_attention": f"n_sink+1={c.n_sink + 1}", "tova": "its last token"}[c.eviction_name]
+                  "expected_attention": f"n_sink+1={c.n_sink + 1}", "tova": "its last token"}.get(
+                      c.eviction_name, "what it always keeps")  # kvpress:<press>, a method of one's own
         part = "prompt" if scope == "prompt" else f"compressed part (compress_scope={scope})"
-        which = f"{DISPLAY[c.eviction_name]} @{c.budget:g}" + (f" ({len(members)} configs)" if len(members) > 1
+        which = f"{display(c.eviction_name)} @{c.budget:g}" + (f" ({len(members)} configs)" if len(members) > 1
                                                                  else "")
         lines.append(f"{which} keeps the whole {part} of {len(whole)} of {len(samples)} samples (up to {max(whole)} "
                      f"tokens: within budget={c.budget:g} or {always}): those rows are the full cache, labelled "

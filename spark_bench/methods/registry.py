@@ -126,9 +126,15 @@ def instantiate(external: External, options: dict):
     fixed = dict(external.arguments)
     kwargs = {k: values[k] for k in external.parameters() if k in values and k not in fixed}
     try:
-        return external.target(**fixed, **kwargs)
+        method = external.target(**fixed, **kwargs)
     except (TypeError, ValueError) as err:
         raise ValueError(f"method {external.name!r}: {external.target.__name__}(...) failed: {err}") from None
+    try:  # configs sharing a method share its selection through a dict keyed by the method object
+        hash(method)
+    except TypeError:
+        raise ValueError(f"method {external.name!r}: {external.target.__name__} objects must be hashable (a frozen "
+                         "dataclass, or a class without __eq__)") from None
+    return method
 
 
 def prepare_command_line(argv: list[str]) -> None:
