@@ -247,9 +247,12 @@ def test_the_longbench_fixture_runs_under_every_protocol(tmp_path, protocol, spa
              for i, e in enumerate(["streamingllm", "expected_attention", "tova", "pyramidkv", "adasnapkv"])]
     demo = [f"{{name:{c.name}" + (f",budget:{c.budget:g}" if c.eviction_name else "")
             + (f",ratio:{c.ratio:g}" if c.channel_name else "") + "}" for c in method_configs(_compose([]))]
-    cfg = _compose(["model=tiny-llama", "benchmark=longbench", "longbench.data_dir=tests/fixtures/longbench",
-                    "benchmark.tasks=[trec,gov_report]", "+benchmark.max_new_tokens=1", f"protocol={protocol}", "progress=false",
-                    f"sweep.configs=[{','.join(demo + paper)}]", f"output_root={tmp_path}", "run=fixture"])
+    from conftest import ROOT
+
+    cfg = _compose(["model=tiny-llama", "benchmark=longbench", f"longbench.data_dir={ROOT / 'tests/fixtures/longbench'}",
+                    "benchmark.tasks=[trec,gov_report]", "+benchmark.max_new_tokens=1", f"protocol={protocol}",
+                    "progress=false", f"sweep.configs=[{','.join(demo + paper)}]", f"output_root={tmp_path}",
+                    "run=fixture"])
     cli.run(cfg, tmp_path / "fixture")
     table = (tmp_path / "fixture" / "table.md").read_text().splitlines()
     assert len(table) >= 2 + len(demo) + len(paper) and "| trec |" in table[0] and "| gov_report |" in table[0]
