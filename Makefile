@@ -75,6 +75,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench/instructions.py --label after
 	$(BIN)/python scripts/bench/fused.py
 	$(BIN)/python scripts/bench/planner_peaks.py --label after
+	$(BIN)/python scripts/bench/plan_hours.py
 	$(BIN)/python scripts/bench/bytes.py
 	$(BIN)/python scripts/bench/attention.py
 	$(BIN)/spark-bench-memory model=llama3.1-8b sweep=memory memory.seq_len=8192 memory.out=results/bench/memory.json

@@ -125,48 +125,39 @@ def test_the_cfg_job_and_dry_run_commands_written_in_the_docs_run(tmp_path):
 MAKEFILE = (ROOT / "Makefile").read_text()
 
 
-def _experiments(target: str) -> list[str]:
-    """The experiments a make target runs (its recipe's ``$(call experiment,NAME,…)``)."""
-    match = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", MAKEFILE, flags=re.M)
-    return re.findall(r"\$\(call experiment,(\w+),", match.group(1)) if match else []
+def _script(name: str):
+    """A ``scripts/bench`` script as a module (its functions, without running it)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-@pytest.fixture(scope="module")
-def plan_costs():
-    """``experiment → plan.Cost``, as ``make <target> DRY_RUN=true`` computes it (no model, no hub)."""
-    import spark_bench.cli as cli
-    from spark_bench.commandline import compose
-
-    costs: dict = {}
-
-    def cost(name):
-        if name not in costs:
-            cfg = compose([f"+experiment={name}"])
-            model, configs = cli.validate(cfg, sources=False)
-            costs[name] = cli.plan_cost(cfg, model, configs)[1]
-        return costs[name]
-
-    return cost
-
-
-def test_the_documented_gpu_hours_are_the_planners(plan_costs):
+def test_the_documented_gpu_hours_are_the_planners():
     """README's and docs/tables.md's per-target H100 hours ("decode + ≤ prefill", summed over a target's experiments)
-    and tables.md's KV GiB per sample are what the planner prints now: a change to the planner or the experiments
-    that moves a figure fails here until the docs say it."""
+    and tables.md's KV GiB per sample are those of results/bench/plan_hours.json (scripts/bench/plan_hours.py, ``make
+    bench``: what ``make <target> DRY_RUN=true`` prints), which covers every target of the Makefile that runs
+    experiments; its table1 entry is recomputed here by the planner (every entry: about a minute), so a planner or
+    experiment change that moves a figure fails here until the file and the docs say it."""
+    import json
+
+    hours = json.loads((ROOT / "results" / "bench" / "plan_hours.json").read_text())
+    script = _script("plan_hours")
+    assert set(script.targets(MAKEFILE)) == set(hours)
+    assert script.experiment("table1") == hours["table1"]["experiments"]["table1"]
     checked, drift = 0, []
     for page in (ROOT / "README.md", ROOT / "docs" / "tables.md"):
         for target, rest in re.findall(r"^\| `([\w.\-]+)` \|(.*)\|$", page.read_text(), flags=re.M):
-            names = _experiments(target)
             cells = [c.strip() for c in rest.split("|")]
-            hours = next((c for c in cells if re.fullmatch(r"[\d.]+ \+ ≤ [\d.]+", c)), None)
-            if not names or hours is None:
+            shown = next((c for c in cells if re.fullmatch(r"[\d.]+ \+ ≤ [\d.]+", c)), None)
+            if target not in hours or shown is None:
                 continue
-            costs = [plan_costs(n) for n in names]
-            decode, prefill = (sum(c.hours["h100"][i] for c in costs) for i in (1, 0))
-            want = [f"{decode:.1f} + ≤ {prefill:.1f}"]
-            got = [hours]
+            entry = hours[target]
+            want = [f"{entry['h100_decode_h']:.1f} + ≤ {entry['h100_prefill_h']:.1f}"]
+            got = [shown]
             if page.name == "tables.md":
-                want.append(" / ".join(f"{c.kv_gib_per_sample:.1f}" for c in costs[:1 if "(+" in rest else None]))
+                kv = [e["kv_gib_per_sample"] for e in entry["experiments"].values()]
+                want.append(" / ".join(f"{v:.1f}" for v in kv[:1 if "(+" in rest else None]))
                 got.append(cells[-1])
             checked += 1
             if got != want:
@@ -253,11 +244,7 @@ def test_the_documented_gpu_peaks_are_the_planners():
         for shown, k in zip((peak, margin, needed), ("fullest_gib", "margin_gib", "needed_gib")):
             assert abs(float(shown) - run[k]) <= 0.05 + 1e-9, (key, k, shown, run[k])  # one decimal of the JSON's two
         assert int(batch or every) == run["decode_batch"] and (not every or run["decode_batch"] == run["rows"]), key
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("planner_peaks", ROOT / "scripts" / "bench" / "planner_peaks.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script("planner_peaks")
     from spark_bench.cli import memory_prediction, validate
     from spark_bench.commandline import compose
 
