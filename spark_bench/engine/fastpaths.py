@@ -112,7 +112,7 @@ class FastPaths:
     def summary(self) -> str:
         """One line: which path produced the numbers."""
         if not self.enabled:
-            return "fast paths unchecked (decode_check=false)"
+            return "fast paths unchecked (FastPaths(enabled=False))"
         if not self.checks:
             return "no fast path used (per-row reference attention)"
         parts = []
