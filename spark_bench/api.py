@@ -229,7 +229,9 @@ def generate(model: torch.nn.Module, contexts, input_ids=None, stack: bool = Tru
     """:func:`spark_bench.engine.generate.generate` (``model.generate`` continued from compressed contexts; its
     docstring says all); with ``reference`` (text with ``tokenizer``, or token ids) also each context's
     :func:`answer_nll` of it: returns ``(output, nll)``, ``nll`` a float for one context, else a list."""
-    out = _generate(model, contexts, input_ids, stack, **generate_kwargs)
+    # ``tokenizer`` is model.generate's own argument too (stop strings need it): pass it on
+    out = _generate(model, contexts, input_ids, stack,
+                    **generate_kwargs, **({} if tokenizer is None else {"tokenizer": tokenizer}))
     if reference is None:
         return out
     many = not isinstance(contexts, CompressedContext)

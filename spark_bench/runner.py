@@ -212,8 +212,8 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
     new_tokens, decode_seconds = 0, 0.0
     checks = begin_run(checks)  # the run's record: its decode batches and scoring passes check each variant once
     full = next((p.label for p in pipelines if p.config.name == "full"), None)
-    if full is None:
-        LOG.warning(NO_FULL)
+    if full is None:  # an ordinary single-method run, not a fault: said at INFO (``-q`` stays silent), and in the table
+        LOG.info(NO_FULL)
     full_tokens = {s.id: done[s.id, full]["tokens"] for s, _ in work if (s.id, full) in done}
     for group in (work[i:i + decode_samples] for i in range(0, len(work), decode_samples)):
         for sample_records in run_samples(lm, group, decode_batch, decode_stack, decode_graph, pipelines,

@@ -69,9 +69,14 @@ def test_every_method_resolves_from_the_cli(name):
     from spark_bench.cli import method_configs
     from test_runner_and_cli import _compose
 
-    cfg = _compose([f"method={name}", "ratio=0.5", "value_ratio=0.3", "recovery=gaussian", "seed=3"])
-    (mc,) = method_configs(cfg)
-    assert (mc.name, mc.ratio, mc.value_ratio, mc.recovery, mc.seed) == (name, 0.5, 0.3, "gaussian", 3)
+    from spark_bench.methods.pipeline import relevant_options
+
+    # only the options this method reads: the others are refused (tests/test_bad_inputs.py)
+    given = {"ratio": 0.5, "value_ratio": 0.3, "recovery": "gaussian", "seed": 3}
+    given = {k: v for k, v in given.items() if k in relevant_options({"name": name, "value_ratio": 0.3})}
+    assert "value_ratio" in given and ("ratio" in given) == (name.endswith(("think", "spark")))
+    (mc,) = method_configs(_compose([f"method={name}", *(f"{k}={v}" for k, v in given.items())]))
+    assert mc.name == name and {k: getattr(mc, k) for k in given} == given
 
 
 def test_attention_over_every_store_equals_dense_reference(tiny_prefill):
