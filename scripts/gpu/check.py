@@ -55,6 +55,7 @@ import spark_bench  # noqa: E402
 from spark_bench.checks import CONF_DIR as CONF  # noqa: E402  (conf/ in a checkout, spark_bench/conf in a wheel)
 from spark_bench.engine import cache as cache_module  # noqa: E402
 from spark_bench.engine import clock  # noqa: E402
+from spark_bench.engine import fastpaths  # noqa: E402
 from spark_bench.engine.attention import compressed_attention_enabled  # noqa: E402
 from spark_bench.engine.cache import BatchedCache, BatchedLayer  # noqa: E402
 from spark_bench.engine.decode import DecodeRow, StepGraph, decode_rows  # noqa: E402
@@ -500,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
               "CPU smoke", file=sys.stderr)
         return 2
     scale = TINY if args.smoke else FULL
+    fastpaths.begin_run()  # this check is a run of its own: its fast paths are checked afresh, not by a past record
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_bandwidth(name) if device.type == "cuda" else (None, "none (CPU smoke)")
     report = Report(Path(args.out), {
