@@ -57,7 +57,7 @@ def check_inside(key: str, value, root) -> None:
 
 
 # group → config names that exist besides conf/<group>/*.yaml: a search path's files and the method names Hydra's
-# ConfigStore holds for this command line (spark_bench.methods.registry.prepare_command_line)
+# ConfigStore holds for this command line (spark_bench.commandline.prepare_command_line)
 EXTRA_CHOICES: dict[str, set[str]] = {}
 
 

@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from spark_bench import hub, logs
-from spark_bench.commandline import check_sweep, compose_jobs
+from spark_bench.commandline import check_sweep, compose_jobs, prepare_command_line
 from spark_bench.checks import (
     CONF_DIR, PROTOCOL_KEYS, ConfigError, budget_warnings, check_file, check_group_choices, check_launcher,
     check_options, check_output, check_token_ids, cuda_exists, parse_shard, protocol_options, resolve_device,
@@ -593,8 +593,6 @@ def checked(tool: str, entry, check_job=None) -> None:
     verbosity, sys.argv[1:] = logs.take_flags(sys.argv[1:])
     logs.configure(verbosity, tool)
     try:
-        from spark_bench.methods.registry import prepare_command_line
-
         prepare_command_line(sys.argv[1:])  # kvpress:<press> and methods of one's own as method= choices
         check_group_choices(sys.argv[1:])
         check_launcher(sys.argv[1:])

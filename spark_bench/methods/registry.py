@@ -135,39 +135,3 @@ def instantiate(external: External, options: dict):
         raise ValueError(f"method {external.name!r}: {external.target.__name__} objects must be hashable (a frozen "
                          "dataclass, or a class without __eq__)") from None
     return method
-
-
-def prepare_command_line(argv: list[str]) -> None:
-    """Before Hydra composes a command line: its ``hydra.searchpath`` directories become the search path for methods
-    of one's own, and each ``method=`` name (comma lists of ``-m`` included) that no ``method/<name>.yaml`` holds
-    but that resolves — ``kvpress:knorm+spark``, ``my_method+spark`` — gets a config node in Hydra's ConfigStore
-    (``{name: <name>}``), so it composes and sweeps like a packaged method config. A name that does not resolve is
-    refused in one line (:class:`~spark_bench.checks.ConfigError`)."""
-    from hydra.core.config_store import ConfigStore
-
-    from spark_bench.checks import CONF_DIR, EXTRA_CHOICES, ConfigError
-
-    dirs = search_dirs_of(argv)
-    set_search_dirs(dirs)
-    from spark_bench.checks import CONFIG_GROUPS
-
-    for group in CONFIG_GROUPS:  # a search path's own configs (sweep=my_sweep, method=my_method) are valid choices
-        EXTRA_CHOICES.setdefault(group, set()).update(p.stem for d in dirs for p in (d / group).glob("*.yaml"))
-    files = {p.stem for d in (CONF_DIR, *dirs) for p in (d / "method").glob("*.yaml")}
-    extra = set()
-    for arg in argv:
-        key, eq, value = arg.partition("=")
-        if not eq or key.lstrip("+") != "method" or value in ("", "null") or any(c in value for c in "()[]{}$"):
-            continue
-        for name in value.split(","):
-            if name in files:
-                continue
-            from spark_bench.methods.pipeline import check_name  # torch: only for a name no config file holds
-
-            try:
-                check_name(name)
-            except ValueError as err:
-                raise ConfigError(f"method={name}: {err}") from None
-            ConfigStore.instance().store(group="method", name=name, node={"name": name})
-            extra.add(name)
-    EXTRA_CHOICES.setdefault("method", set()).update(extra)
