@@ -345,12 +345,18 @@ def _fused_layer(bench: Bench, ctxs: list) -> dict:
             "tolerance": TOLERANCE[bench.dtype]}
 
 
-def fused_layer(bench: Bench, workload: str) -> dict:
+def _compressed_and_dense(bench: Bench, workload: str, measure) -> tuple[int, dict, dict]:
+    """``measure(bench, contexts)`` on the workload's compressed contexts, then on as many dense (``full``) ones
+    (built after, and dropped before the next section): the row count and both results."""
     ctxs = bench.build(workload)
-    compressed = _fused_layer(bench, ctxs)
+    compressed = measure(bench, ctxs)
     dense_ctxs = bench.dense(workload, len(ctxs))
-    dense = _fused_layer(bench, dense_ctxs)
-    del dense_ctxs
+    dense = measure(bench, dense_ctxs)
+    return len(ctxs), compressed, dense
+
+
+def fused_layer(bench: Bench, workload: str) -> dict:
+    _, compressed, dense = _compressed_and_dense(bench, workload, _fused_layer)
     out = {"timed_by": bench.timer.how, "peak_bandwidth": bench.peak[1], "compressed": compressed, "dense": dense,
            "kv_bytes_ratio": compressed["bytes"] / dense["bytes"]}
     wrong = [f"{kind}: " + (f"{r['loose_rows']} of {r['rows']} rows not on the fused kernel ({r['backend']})"
@@ -396,12 +402,8 @@ def _step_times(bench: Bench, ctxs: list) -> dict:
 
 
 def steps(bench: Bench, workload: str) -> dict:
-    ctxs = bench.build(workload)
-    compressed = _step_times(bench, ctxs)
-    dense_ctxs = bench.dense(workload, len(ctxs))
-    dense = _step_times(bench, dense_ctxs)
-    del dense_ctxs
-    out = {"rows": len(ctxs), "timed_by": bench.timer.how, "compressed": compressed, "dense": dense,
+    rows, compressed, dense = _compressed_and_dense(bench, workload, _step_times)
+    out = {"rows": rows, "timed_by": bench.timer.how, "compressed": compressed, "dense": dense,
            "eager_compressed_over_dense": compressed["eager_s"] / dense["eager_s"]}
     if "graphed_s" in compressed and "graphed_s" in dense:
         out["graphed_compressed_over_dense"] = compressed["graphed_s"] / dense["graphed_s"]
