@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -11,52 +10,17 @@ from spark_bench.engine.cache import CompressedCache, StoredLayer
 from spark_bench.engine.prefill import LayerPrefill, Prefill, QueryStatsSpec
 from spark_bench.methods.base import BUDGET_ROUNDINGS, ChannelMethod, EvictionMethod, gather_tokens
 from spark_bench.methods.channel.recovery import RECOVERY_MODES, STATS
-from spark_bench.methods.channel.spark import (
-    GROUP_FORK_FILLS, GROUP_RATIOS, SALIENCY_DTYPES, SALIENCY_MODES, VARIANTS, SparK,
-)
-from spark_bench.methods.channel.think import ThinK
+from spark_bench.methods.builtin import CHANNEL_METHODS, DISPLAY, EVICTION_METHODS, METHOD_NAMES
+from spark_bench.methods.channel.spark import GROUP_FORK_FILLS, GROUP_RATIOS, SALIENCY_DTYPES, SALIENCY_MODES, VARIANTS
 from spark_bench.methods.channel.value_norm import VALUE_FILLS, VALUE_SCORES, ValueNorm
-from spark_bench.methods.eviction.adasnapkv import SAFEGUARDS, AdaSnapKV
-from spark_bench.methods.eviction.expected_attention import ExpectedAttention
-from spark_bench.methods.eviction.pyramidkv import FALLBACKS, PyramidKV
-from spark_bench.methods.eviction.snapkv import SnapKV
-from spark_bench.methods.eviction.streamingllm import StreamingLLM
-from spark_bench.methods.eviction.tova import TOVA
+from spark_bench.methods.eviction.adasnapkv import SAFEGUARDS
+from spark_bench.methods.eviction.pyramidkv import FALLBACKS
 from spark_bench.methods.eviction import kvpress_scorer
 from spark_bench.methods import registry
 from spark_bench.options import FRACTION, POSITIVE_INT, Option, check_all
 from spark_bench.storage.stores import DenseStore
 
 
-def _snapkv_args(c: "MethodConfig") -> dict:
-    return dict(budget=c.budget, window_size=c.window_size, kernel_size=c.kernel_size, pooling=c.pooling,
-                rounding=c.budget_rounding)
-
-
-# method name → builder from a MethodConfig (one entry per method module)
-EVICTION_METHODS = {
-    "streamingllm": lambda c: StreamingLLM(budget=c.budget, n_sink=c.n_sink, rounding=c.budget_rounding),
-    "snapkv": lambda c: SnapKV(**_snapkv_args(c)),
-    "pyramidkv": lambda c: PyramidKV(**_snapkv_args(c), beta=c.beta, fallback=c.pyramid_fallback),
-    "adasnapkv": lambda c: AdaSnapKV(**_snapkv_args(c), alpha_safeguard=c.alpha_safeguard,
-                                     safeguard=c.ada_safeguard),
-    "tova": lambda c: TOVA(budget=c.budget, rounding=c.budget_rounding),
-    "expected_attention": lambda c: ExpectedAttention(budget=c.budget, n_sink=c.n_sink, rounding=c.budget_rounding),
-}
-CHANNEL_METHODS = {
-    "think": lambda c: ThinK(ratio=c.ratio, window_size=c.channel_window_size, keep_window=c.think_keep_window,
-                             score_dtype=c.saliency_dtype),
-    "spark": lambda c: SparK(ratio=c.ratio, window_size=c.channel_window_size, saliency=c.saliency,
-                             recovery="zero" if c.variant == "group_fork" and c.group_fork_fill == "zero"
-                             else c.recovery,
-                             variant=c.variant, top_p=c.top_p, groups=c.groups, constant=c.constant, seed=c.seed,
-                             recovery_stats=c.recovery_stats, saliency_dtype=c.saliency_dtype),
-}
-DISPLAY = {"full": "Full", "snapkv": "SnapKV", "streamingllm": "StreamingLLM", "pyramidkv": "PyramidKV",
-           "adasnapkv": "AdaSnapKV", "tova": "TOVA", "expected_attention": "ExpectedAttention",
-           "think": "ThinK", "spark": "SparK"}
-METHOD_NAMES = ("full", *EVICTION_METHODS, *CHANNEL_METHODS,
-                *(f"{e}+{c}" for e, c in itertools.product(EVICTION_METHODS, CHANNEL_METHODS)))
 MORE_NAMES = "kvpress:<press>[+think|+spark] (kvpress installed), or a method of your own (docs/development.md)"
 
 

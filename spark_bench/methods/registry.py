@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from spark_bench.methods.builtin import CHANNEL_METHODS, EVICTION_METHODS
+
 ENTRY_POINT_GROUP = "spark_bench.methods"
 _REGISTERED: dict[str, "External"] = {}
 _SEARCH_DIRS: list[Path] = []
@@ -70,8 +72,6 @@ def _external(name: str, target, arguments: dict, origin: str) -> External:
 def register(name: str, target, **arguments) -> None:
     """Make ``name`` a method part: ``target`` is the class (or ``"package.module:Class"``); ``arguments`` are
     fixed constructor arguments. Replaces an earlier registration of the same name."""
-    from spark_bench.methods.pipeline import CHANNEL_METHODS, EVICTION_METHODS
-
     if name in EVICTION_METHODS or name in CHANNEL_METHODS or name == "full":
         raise ValueError(f"method name {name!r} is one of spark-bench's own; choose another")
     _REGISTERED[name] = _external(name, target, arguments, "registered")
