@@ -294,6 +294,8 @@ class FusedTables:
                              struct.unpack("<i", struct.pack("<f", fill))[0]])
             if first[qh] < 0:
                 first[qh] = len(seg_rows) - 1
+            elif mode != MODES["dense"]:  # the kernel reads a second segment as dense rows (ThinK's recent tokens)
+                raise ValueError(f"query head {qh}: a second key segment must be dense keys, got mode {mode}")
             else:
                 second[qh], split[qh] = len(seg_rows) - 1, out_off
         groups: dict = {}

@@ -1,9 +1,8 @@
 """Fused compact-attention decode in Triton (flash-decoding over compact stores): the CUDA path of a decode batch.
 
 One launch per layer reads every stored byte once — a SparK row's kept entries, masks, μ and sign bits, a ThinK row's
-structured keys, an eviction-only row's dense keys, and the values — rebuilds each block of keys in registers (the
-recovered entries included), scores it against the queries, and keeps an online softmax with ``weights · values``
-accumulated in float32. No ``(rows, heads, S)`` score tensor exists. Work is split over the sequence: one program per
+structured keys, an eviction-only row's dense keys, and the values — scores each block of keys against the queries,
+and keeps an online softmax with ``weights · values`` accumulated in float32. No ``(rows, heads, S)`` score tensor exists. Work is split over the sequence: one program per
 *work item* (a chunk of ``chunk`` tokens of one value tensor, for up to ``MEMBERS`` query heads that read it), so the
 grid is ``Σ ceil(tokens / chunk)`` over the value tensors, not segments × the longest. Each program writes its
 partial softmax ``(max, sum, Σ exp·v)`` per query row; a second small kernel merges the partials of each query head,
@@ -13,6 +12,14 @@ Per stored entry ``c`` of token ``t`` (modes of :data:`~spark_bench.storage.segm
 kept → ``k_tc``; pruned, mode 0 → ``f · a_c``; mode 1 (paper degenerate) → ``μ_t · a_c``; mode 2 (official) →
 ``s_tc · sqrt(μ_t) · a_c``; mode 3 → every channel kept. ``a = aux_scale`` per query head (``1/q̄`` paper,
 ``1/sqrt(‖q‖)`` official, ones otherwise), so ``q · k̃`` equals the C++ kernel's formula (``engine/kernels``).
+
+bfloat16 stores score on the tensor cores with float32 products: the queries (float32, scaled) and ``q ∘ a`` are split
+once per program into three bfloat16 terms each (``q = q₁ + q₂ + q₃`` to float32's 24 bits), and per block
+``q · k̃ = Σᵢ qᵢ · K + scale_t · Σᵢ (q ∘ a)ᵢ · S`` with ``K`` the kept entries at their channels (0 where pruned) and
+``S`` the pruned entries' signs (±1 official, 1 otherwise, 0 where kept) — both exact in bfloat16, every product
+exact in float32, accumulated in float32 (``tl.dot``); no float32 key is rebuilt. A kept channel's rank (its index
+among the token's kept entries) is counted from the mask read as 32-bit words (``POPC``), no scan over the channels.
+float32 stores rebuild the float32 keys and use an FMA dot (``input_precision=DOT_PRECISION``).
 
 Rows sharing a value tensor (configs with the same eviction selection) are stacked into the rows of one program
 (``MEMBERS × ROWS_PER_MEMBER ≤ ROWS``): each value block is loaded once for all of them. A program's heads come
@@ -25,7 +32,7 @@ Values (and dense keys) are addressed from the typed element pointer plus a 64-b
 ``scripts/bench/instructions.py`` (``results/bench/instructions.json``). The kernels read the rows'
 own tensors in place through 64-bit addresses in the tables (:class:`~spark_bench.storage.segments.FusedTables`):
 nothing is concatenated or copied. Every offset is 64-bit. ``head_dim`` is padded to a power of two inside the
-kernels (``D_PAD``), so any multiple of 8 works. Logits and softmax are float32 (``input_precision=DOT_PRECISION``).
+kernels (``D_PAD``, at least 32 in the partials kernel), so any multiple of 8 works. Logits and softmax are float32.
 
 Tests run it on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported)
 and compile every specialisation for sm_80/sm_90 ahead of time (``tests/test_gpu_compile.py``).
@@ -37,6 +44,7 @@ import os
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 def _interpreter_bf16_dot() -> None:
     """Triton's CPU interpreter (3.9) multiplies ``tl.dot``'s bfloat16 operands as their raw 16-bit patterns (numpy
@@ -64,9 +72,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 SEG_COLS = 10   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill
 HEAD_COLS = 7   # seg_a, seg_b, split, valid_addr, slot_base, n_slots, n_tokens
 WORK_COLS = 6   # list_start, count, t_start, t_end, val_addr, chunk
-BLOCK = {2: 32, 4: 16}  # tokens per step of the token loop by element size (0 spills at 8 warps, D ≤ 128)
+BLOCK = {2: 32, 4: 16}  # tokens per step of the token loop by element size
 ROWS = 16       # query rows per program (the dot products' M)
-NUM_WARPS = 8   # 256 threads: ≤ 214 registers at D ≤ 128, no spill
+# warps of the partials kernel by element size: bfloat16 (tensor-core dots) 4 warps at BLOCK 32 (≤ 248 registers
+# at D ≤ 128, 2 CTAs per SM, no spill; BLOCK 64 at 4 warps spills, at 8 warps issues ~7% more per byte); float32 (FMA
+# dots) 8 warps at BLOCK 16 (≤ 254 registers, no spill)
+PARTIAL_WARPS = {2: 4, 4: 8}
+NUM_WARPS = 8   # the merge of a suffix (16 query rows and more)
 NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does not act on it
 # ptxas given no register limit caps these kernels at 64/80/128 registers (3-4 or 2 CTAs per SM of 256 threads) and
 # spills; stated as 255, it allocates what the code needs and spills nothing (results/bench/compile.json)
@@ -74,6 +86,7 @@ MAX_REGISTERS = 255
 MERGE_WARPS = 4  # the merge of a decode step (a few query rows per head)
 MERGE_BLOCK = 16  # tail tokens per step of the merge
 DOT_PRECISION: tl.constexpr = tl.constexpr("ieee")  # float32 products (FMA), as the C++ kernel
+INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -88,6 +101,37 @@ def _sqrt_rn(x):
 
 
 @triton.jit
+def _popc(x):
+    """Set bits of each uint32 ``x`` (int32): the GPU's ``POPC`` (libdevice); under the CPU interpreter, which has no
+    libdevice, the same count by the SWAR bit sums."""
+    if INTERPRET:
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return ((x * 0x01010101) >> 24).to(tl.int32)
+    else:
+        return libdevice.popc(x.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _split3(a):
+    """float32 ``a`` as three bfloat16 terms ``a₁ + a₂ + a₃ = a`` (to float32's 24 bits): each product of one with
+    a bfloat16 is exact in float32, so three tensor-core dots accumulated in float32 give float32 products."""
+    a1 = a.to(tl.bfloat16)
+    r = a - a1.to(tl.float32)
+    a2 = r.to(tl.bfloat16)
+    return a1, a2, (r - a2.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot3(a1, a2, a3, b, acc):
+    """``acc + (a₁ + a₂ + a₃) · b`` on the tensor cores, float32 accumulation (:func:`_split3`)."""
+    acc = tl.dot(a1, b, acc)
+    acc = tl.dot(a2, b, acc)
+    return tl.dot(a3, b, acc)
+
+
+@triton.jit
 def _segment(seg_ptr, s):
     """The table row of segment ``s`` as scalars: out_off, t_kept, kept/mask addresses, mask stride, μ/sign
     addresses, sign bit offset, mode, the fill's float32 bits."""
@@ -97,54 +141,67 @@ def _segment(seg_ptr, s):
 
 
 @triton.jit
-def _keys(a, b, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
+def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
           D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SIGNS: tl.constexpr = True):
-    """The keys ``(BLOCK, D_PAD)`` of one query head at tokens ``t`` as their parts: which entries are kept, the kept
-    entries (0 elsewhere, the stores' dtype), the per-token recovery scale (``f``, ``μ_t`` or ``sqrt(μ_t)``), the
-    pruned entries' signs (±1; 1 without signs) and which entries are pruned; the rebuilt key of a pruned entry is
-    ``scale · sign · a_c``. ``a``/``b``: its two segments' table rows (:func:`_segment`; equal unless ThinK: its
-    structured tokens, then from ``split`` its dense recent ones)."""
+    """The keys ``(BLOCK, D_PAD)`` of one query head at tokens ``t`` as two parts: the kept entries at their channels
+    (0 elsewhere, the stores' dtype) and, per token, the recovery scale (``f``, ``μ_t`` or ``sqrt(μ_t)``) with the
+    pruned entries' signs ``S`` (±1 with signs, 1 without, 0 at kept entries; bfloat16, exact): the rebuilt key is
+    ``k + scale · S ∘ a``. ``a``: its segment's table row (:func:`_segment`, scalars); from token ``split`` on, a
+    second segment of dense keys (ThinK's recent tokens: every channel kept) at ``b_kept`` (its first token
+    ``b_off``).
+
+    A channel's rank among the token's kept entries comes from the mask read as 32-bit words: ``x = word << (31 − c
+    mod 32)`` holds the word's bits up to ``c`` (its top bit: ``c`` kept), so ``rank + kept = popc(x) +`` the kept
+    channels of the words before (``POPC``, no scan over the channels)."""
+    out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill = a
+    fill = fill.to(tl.int32).to(tl.float32, bitcast=True)
     first = t < split
-    out_off = tl.where(first, a[0], b[0])
-    t_kept = tl.where(first, a[1], b[1])
-    kept_addr = tl.where(first, a[2], b[2])
-    mask_addr = tl.where(first, a[3], b[3])
-    mask_stride = tl.where(first, a[4], b[4])
-    mu_addr = tl.where(first, a[5], b[5])
-    sign_addr = tl.where(first, a[6], b[6])
-    sign_bitoff = tl.where(first, a[7], b[7])
-    mode = tl.where(first, a[8], b[8])
-    fill = tl.where(first, a[9], b[9]).to(tl.int32).to(tl.float32, bitcast=True)
-    local = t.to(tl.int64) - out_off  # the token's index inside its segment
+    local = t.to(tl.int64) - out_off  # the token's index inside its (first) segment
     cm = c < D
     both = live[:, None] & cm[None, :]
-    dense = mode == 3
-    # the mask: D/8 bytes per token, expanded to one bit per channel (64-bit per-token bases, 32-bit offsets inside)
-    b8 = tl.arange(0, D_PAD // 8)
-    masks = (mask_addr + local * mask_stride * (D // 8)).to(tl.pointer_type(tl.uint8), bitcast=True)
-    byte = tl.load(masks[:, None] + b8[None, :], mask=(live & ~dense)[:, None] & (b8 < D // 8)[None, :],
-                   other=0).to(tl.int32)
-    bit = tl.reshape((byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1, (BLOCK_T, D_PAD))
-    bit = tl.where(dense[:, None] & cm[None, :], 1, bit)
-    rank = tl.cumsum(bit, axis=1) - bit  # kept channels before c
-    kept = bit != 0
-    rows = (kept_addr + local * t_kept * ESIZE).to(tl.pointer_type(ELEM), bitcast=True)
-    k = tl.load(rows[:, None] + rank, mask=both & kept, other=0.0)
-    stat = (mode == 1) | (mode == 2)
-    mu = tl.load((mu_addr + local * ESIZE).to(tl.pointer_type(ELEM), bitcast=True), mask=live & stat,
-                 other=0.0).to(tl.float32)
-    scale = tl.where(mode == 1, mu, tl.where(mode == 2, _sqrt_rn(tl.maximum(mu, 0.0)), fill))
-    if SIGNS:
-        first = sign_bitoff + local * (D - t_kept)  # bit index of the token's first pruned sign
-        phase = (first & 7).to(tl.int32)
-        signs = (sign_addr + (first >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True)
-        pos = phase[:, None] + (c[None, :] - rank)  # pruned rank, from the token's first sign byte
-        signed = both & ~kept & (mode == 2)[:, None]
-        sbyte = tl.load(signs[:, None] + (pos >> 3), mask=signed, other=0).to(tl.int32)
-        sign = tl.where(signed, 2.0 * ((sbyte >> (pos & 7)) & 1).to(tl.float32) - 1.0, 1.0)
+    compact = first & ((t * 0 + mode) != 3)  # a token with a mask (else every channel kept)
+    # the mask: D/8 bytes per token (little-endian bits), read as NW 32-bit words (bytes past D/8 read as 0); a
+    # dense token's words have every channel's bit set
+    NW: tl.constexpr = D_PAD // 32
+    wi = tl.arange(0, NW)
+    bi = tl.arange(0, 4)
+    at = wi[:, None] * 4 + bi[None, :]
+    masks = (mask_addr + local * (mask_stride * (D // 8))).to(tl.pointer_type(tl.uint8), bitcast=True)
+    byte = tl.load(masks[:, None, None] + at[None, :, :], mask=(live & compact)[:, None, None] & (at < D // 8)[None],
+                   other=0).to(tl.uint32)
+    words = tl.sum(byte << (8 * bi).to(tl.uint32)[None, None, :], axis=2)  # disjoint bits: the sum is their OR
+    full = tl.where(wi * 32 + 32 <= D, 0xFFFFFFFF, (1 << (D % 32)) - 1).to(tl.uint32)  # channels < D of each word
+    words = tl.where(compact[:, None], words, full[None, :])
+    counts = _popc(words)
+    before = tl.cumsum(counts, axis=1) - counts  # kept channels in the words before each
+    word = tl.reshape(tl.broadcast_to(words[:, :, None], (BLOCK_T, NW, 32)), (BLOCK_T, D_PAD))
+    below = tl.reshape(tl.broadcast_to(before[:, :, None], (BLOCK_T, NW, 32)), (BLOCK_T, D_PAD))
+    x = word << (31 - (c & 31)).to(tl.uint32)[None, :]
+    kept = x.to(tl.int32, bitcast=True) < 0
+    upto = below + _popc(x)  # kept channels up to c: rank + kept
+    # the token's kept row, one entry before it (indexed by rank + 1 where kept)
+    rows = tl.where(first, kept_addr + (local - 1) * t_kept * ESIZE + (t_kept - 1) * ESIZE,
+                    b_kept + (t.to(tl.int64) - b_off) * (D * ESIZE) - ESIZE)
+    k = tl.load(rows.to(tl.pointer_type(ELEM), bitcast=True)[:, None] + upto, mask=both & kept, other=0.0)
+    pruned = both & ~kept
+    if (mode == 1) | (mode == 2):
+        mu = tl.load((mu_addr + local * ESIZE).to(tl.pointer_type(ELEM), bitcast=True), mask=live & first,
+                     other=0.0).to(tl.float32)
+        scale = tl.where(mode == 1, mu, _sqrt_rn(tl.maximum(mu, 0.0)))
     else:
-        sign = tl.full((BLOCK_T, D_PAD), 1.0, tl.float32)
-    return kept, k, scale, sign, both & ~kept
+        scale = tl.zeros((BLOCK_T,), tl.float32) + fill
+    if SIGNS:
+        bits = sign_bitoff + local * (D - t_kept)  # bit index of the token's first pruned sign
+        phase = (bits & 7).to(tl.int32)
+        signs = (sign_addr + (bits >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True)
+        pos = phase[:, None] + (c[None, :] - upto)  # pruned rank (= c − kept channels before), from the first byte
+        sbyte = tl.load(signs[:, None] + (pos >> 3), mask=pruned & ((t * 0 + mode) == 2)[:, None],
+                        other=255).to(tl.int32)
+        # bfloat16 bits: 1 → +1 (0x3F80), 0 → −1 (0xBF80)
+        sign = tl.where(pruned, 0xBF80 ^ (((sbyte >> (pos & 7)) & 1) << 15), 0)
+    else:
+        sign = tl.where(pruned, 0x3F80, 0)
+    return k, scale, sign.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -160,16 +217,10 @@ def _scores(q, k, DOT: tl.constexpr):
 
 @triton.jit
 def _split_dot(a, b, acc):
-    """``acc + a · b`` for float32 ``a`` and bfloat16 ``b`` on the tensor cores with float32 products: ``a`` split
-    into three bfloat16 terms (``a = a₁ + a₂ + a₃`` to float32's 24 bits), each product of two bfloat16 exact in
-    float32, accumulated in float32."""
-    a1 = a.to(tl.bfloat16)
-    r = a - a1.to(tl.float32)
-    a2 = r.to(tl.bfloat16)
-    a3 = (r - a2.to(tl.float32)).to(tl.bfloat16)
-    acc = tl.dot(a1, b, acc)
-    acc = tl.dot(a2, b, acc)
-    return tl.dot(a3, b, acc)
+    """``acc + a · b`` for float32 ``a`` and bfloat16 ``b`` on the tensor cores with float32 products
+    (:func:`_split3`), accumulated in float32."""
+    a1, a2, a3 = _split3(a)
+    return _dot3(a1, a2, a3, b, acc)
 
 
 @triton.jit
@@ -191,18 +242,26 @@ def _online(m_i, l_i, acc, s, v, DOT: tl.constexpr = True):
 
 
 @triton.jit
-def _member_scores(s, q, m, member, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM: tl.constexpr,
+def _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM: tl.constexpr,
                    ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                    SIGNS: tl.constexpr):
-    """Member ``m``'s logits (its compact keys rebuilt in float32, AdaKV validity applied; an FMA dot) into its rows
-    of ``s``."""
+    """Member ``m``'s logits from its compact keys (AdaKV validity applied) into its rows of ``s``. bfloat16 stores
+    (``qs``: the queries' and ``q ∘ a``'s bfloat16 splits, :func:`_split3`): ``q · k̃ = q · k + scale · (q ∘ a) · S``
+    on the tensor cores (the kept entries and ``S`` are exact in bfloat16; float32 products and sums), no float32
+    key rebuilt; else the float32 keys and an FMA dot."""
     qh = tl.load(heads + m)
     hrow = head_ptr + qh * 7
-    kept, k, scale, sign, pruned = _keys(_segment(seg_ptr, tl.load(hrow)), _segment(seg_ptr, tl.load(hrow + 1)),
-                                         tl.load(hrow + 2), t, live, c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS)
-    aux = tl.load(aux_ptr + qh * D + c, mask=c < D, other=0.0)
-    keys = tl.where(kept, k.to(tl.float32), (scale[:, None] * sign) * aux[None, :])
-    sm = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
+    b = seg_ptr + tl.load(hrow + 1) * 10  # (a second segment is a run of dense keys: FusedTables.layout)
+    k, scale, sign = _keys(_segment(seg_ptr, tl.load(hrow)), tl.load(b + 2), tl.load(b), tl.load(hrow + 2), t, live,
+                           c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS)
+    if ELEM == tl.bfloat16:
+        q1, q2, q3, qa1, qa2, qa3 = qs
+        sr = _dot3(qa1, qa2, qa3, tl.trans(sign), tl.zeros((q.shape[0], BLOCK_T), tl.float32))
+        sm = _dot3(q1, q2, q3, tl.trans(k), scale[None, :] * sr)
+    else:
+        aux = tl.load(aux_ptr + qh * D + c, mask=c < D, other=0.0)
+        keys = k.to(tl.float32) + (scale[:, None] * sign.to(tl.float32)) * aux[None, :]  # (k = 0 / S = 0 apart)
+        sm = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
     valid_addr = tl.load(hrow + 3)
     vbyte = tl.load((valid_addr + (t >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True),
                     mask=live & ((t * 0 + valid_addr) != 0), other=255).to(tl.int32)
@@ -240,6 +299,13 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     cm = c < D
     q = tl.load(q_ptr + (qh_r * q_stride + g * D)[:, None] + c[None, :], mask=row_ok[:, None] & cm[None, :],
                 other=0.0).to(tl.float32) * scale
+    if ELEM == tl.bfloat16:  # the queries' and q ∘ a's bfloat16 splits, once (tensor-core dots, float32 products)
+        aux = tl.load(aux_ptr + qh_r[:, None] * D + c[None, :], mask=row_ok[:, None] & cm[None, :], other=0.0)
+        q1, q2, q3 = _split3(q)
+        qa1, qa2, qa3 = _split3(q * aux)
+        qs = (q1, q2, q3, qa1, qa2, qa3)
+    else:
+        qs = (q, q, q, q, q, q)
     m_i = tl.full((RPM * MEMBERS,), float("-inf"), tl.float32)
     l_i = tl.zeros((RPM * MEMBERS,), tl.float32)
     acc = tl.zeros((RPM * MEMBERS, D_PAD), tl.float32)
@@ -272,13 +338,16 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
                 start = tl.multiple_of(start, 16 // ESIZE)
             start -= tl.load(seg_ptr + seg * 10) * D  # (the segment's first token)
             k = tl.load(elem_ptr + start + t[:, None] * D + c[None, :], mask=both, other=0.0)
-            sm = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+            if ELEM == tl.bfloat16:
+                sm = _dot3(q1, q2, q3, tl.trans(k), tl.zeros((RPM * MEMBERS, BLOCK_), tl.float32))
+            else:
+                sm = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
             s = tl.where((member == m)[:, None] & live[None, :], sm, s)
         for m in range(n_dense, n_plain):  # compact keys, no signs
-            s = _member_scores(s, q, m, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
+            s = _member_scores(s, q, qs, member, m, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
                                ELEM, ESIZE, D, D_PAD, BLOCK_, False)
         for m in range(n_plain, count):  # compact keys with signs (official recovery)
-            s = _member_scores(s, q, m, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
+            s = _member_scores(s, q, qs, member, m, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
                                ELEM, ESIZE, D, D_PAD, BLOCK_, True)
         m_i, l_i, acc = _online(m_i, l_i, acc, s, v)
     slot = tl.load(head_ptr + qh_r * 7 + 4, mask=row_ok, other=0) + chunk
@@ -362,23 +431,23 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
 
     heads, n, d = q.shape
     rpm, members = launch_shape(n)
-    d_pad = triton.next_power_of_2(d)
+    d_pad = max(triton.next_power_of_2(d), 32)  # (the partials kernel reads the masks as 32-bit words)
     if acc is None:
         acc = torch.empty(tables.n_slots, n, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(tables.n_slots, n, 2, dtype=torch.float32, device=q.device)
     partials = (_partials_kernel, (max(tables.n_work, 1), triton.cdiv(n, rpm)),
                 (q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, tail_len, n,
                  q.stride(0), scale, tables.n_work, advance),
-                dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK[elem.element_size()], ESIZE=elem.element_size(),
-                     VALIGN=bool(getattr(tables, "aligned", False)), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-                     maxnreg=MAX_REGISTERS))
+                dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK[elem.element_size()],
+                     ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
+                     num_warps=PARTIAL_WARPS[elem.element_size()], num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
     rm = min(triton.next_power_of_2(n), ROWS)  # a decode step's few rows: no padding to 16
     merge = (_merge_kernel, (heads, triton.cdiv(n, rm)),
              (q, tables.head, acc, ml, tail_keys, tail_values, new_keys, new_values, tail_len, out, n, q.stride(0),
               tail_keys.shape[1], q_len, g0, scale, new_keys.stride(0), new_keys.stride(1), new_values.stride(0),
               new_values.stride(1)),
-             dict(D=d, D_PAD=d_pad, RM=rm, BLOCK_=MERGE_BLOCK, num_warps=MERGE_WARPS if rm <= 4 else NUM_WARPS,
-                  num_stages=1, maxnreg=MAX_REGISTERS))
+             dict(D=d, D_PAD=triton.next_power_of_2(d), RM=rm, BLOCK_=MERGE_BLOCK,
+                  num_warps=MERGE_WARPS if rm <= 4 else NUM_WARPS, num_stages=1, maxnreg=MAX_REGISTERS))
     return [partials, merge]
 
 
