@@ -2,7 +2,7 @@
 before anything loads, and a bad value gives one line naming the key, the value and what is valid.
 
 :class:`~spark_bench.methods.MethodConfig` checks its fields against ``OPTION_TYPES``
-(``methods/pipeline.py``); the command line's run, benchmark and data options are checked against
+(``methods/config.py``); the command line's run, benchmark and data options are checked against
 :data:`RUN_OPTIONS` by :func:`spark_bench.cli.validate`.
 """
 

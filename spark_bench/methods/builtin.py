@@ -1,6 +1,6 @@
 """The paper's methods by name: each eviction and key-channel method part's builder from a method configuration,
-and its name in tables. The bottom of the naming layer: :mod:`~spark_bench.methods.registry` refuses these names
-for methods of one's own, :mod:`~spark_bench.methods.pipeline` builds from them."""
+its name in tables and the options it reads. The bottom of the naming layer: :mod:`~spark_bench.methods.registry`
+refuses these names for methods of one's own, :mod:`~spark_bench.methods.config` builds from them."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _snapkv_args(c) -> dict:
                 rounding=c.budget_rounding)
 
 
-# method name → builder from a MethodConfig (:class:`spark_bench.methods.pipeline.MethodConfig`) (one entry per method module)
+# method name → builder from a MethodConfig (:class:`spark_bench.methods.config.MethodConfig`; one entry per module)
 EVICTION_METHODS = {
     "streamingllm": lambda c: StreamingLLM(budget=c.budget, n_sink=c.n_sink, rounding=c.budget_rounding),
     "snapkv": lambda c: SnapKV(**_snapkv_args(c)),
@@ -46,3 +46,15 @@ DISPLAY = {"full": "Full", "snapkv": "SnapKV", "streamingllm": "StreamingLLM", "
            "think": "ThinK", "spark": "SparK"}
 METHOD_NAMES = ("full", *EVICTION_METHODS, *CHANNEL_METHODS,
                 *(f"{e}+{c}" for e, c in itertools.product(EVICTION_METHODS, CHANNEL_METHODS)))
+
+_SNAPKV_OPTIONS = ("window_size", "kernel_size", "pooling", "window_q_norm", "budget_rounding")
+# method part → the options that change what it computes (the others are ignored by it)
+METHOD_OPTIONS = {
+    "snapkv": _SNAPKV_OPTIONS, "pyramidkv": (*_SNAPKV_OPTIONS[:-1], "beta", "pyramid_fallback"),  # own rounding
+    "adasnapkv": (*_SNAPKV_OPTIONS, "alpha_safeguard", "ada_safeguard"),
+    "streamingllm": ("n_sink", "budget_rounding"), "tova": ("budget_rounding",),
+    "expected_attention": ("n_sink", "window_q_norm", "budget_rounding"),
+    "think": ("ratio", "window_size", "channel_window", "think_keep_window", "window_q_norm", "saliency_dtype"),
+    "spark": ("ratio", "window_size", "channel_window", "saliency", "recovery", "recovery_stats", "variant", "top_p",
+              "groups", "constant", "seed", "window_q_norm", "saliency_dtype", "group_fork_fill"),
+}
