@@ -16,7 +16,7 @@ from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.metrics import score
 from spark_bench.engine.clock import mapped_large_blocks, peak_memory, reset_peak, return_freed_memory
 from spark_bench.engine.decode import DecodeRow, decode_rows
-from spark_bench.engine.fastpaths import FastPaths, begin_run
+from spark_bench.engine.fastpaths import FastPaths
 from spark_bench.engine.fidelity import Fidelity, ForcedRow, measure
 from spark_bench.benchmarks.reference import reference_ids
 from spark_bench.engine.prefill import Prefill
@@ -76,13 +76,13 @@ def _build_row(lm: LoadedModel, sample: Sample, pipeline: Pipeline, prefill: Pre
 
 
 def _fidelity(lm: LoadedModel, sample: Sample, rows: list[DecodeRow], pipelines: list[Pipeline],
-              full_tokens: list[int] | None, stack: bool) -> list[Fidelity]:
+              full_tokens: list[int] | None, stack: bool, checks: FastPaths) -> list[Fidelity]:
     """The sample's three fidelity numbers per row (:mod:`spark_bench.engine.fidelity`), every config of the sweep
     in one teacher-forced pass (so a row's numbers do not depend on which rows were decoded in this process)."""
     full = next((k for k, p in enumerate(pipelines) if p.config.name == "full"), None)
     greedy = full_tokens if full_tokens is not None else rows[full].tokens if full is not None else []
     forced = [ForcedRow(r.cache, r.first_logits, r.position, tuple(r.suffix), []) for r in rows]
-    return measure(lm.model, forced, reference_ids(sample, lm.tokenizer), full, greedy, stack)
+    return measure(lm.model, forced, reference_ids(sample, lm.tokenizer), full, greedy, stack, checks=checks)
 
 
 def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
@@ -104,8 +104,9 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
     ``sweep``: every pipeline of the sweep (default: each sample's own); the fidelity pass runs all of them, so a
     sample resumed with some configs already done (``repair``) gets the numbers of a whole run: the done configs are
     compressed again (not decoded) and ``full_tokens`` (sample id → the done full row's tokens) gives the full
-    cache's continuation. ``checks``: the run's record of its fast paths (:mod:`~spark_bench.engine.fastpaths`),
-    each checked at its first use."""
+    cache's continuation. ``checks``: the run's record of its fast paths (:mod:`~spark_bench.engine.fastpaths`;
+    default: a new one), each checked at its first use by the decode batches and fidelity passes alike."""
+    checks = FastPaths() if checks is None else checks
     plan = [(i, pipeline) for i, (_, pipelines) in enumerate(work) for pipeline in pipelines]
     last = {i: k for k, (i, _) in enumerate(plan)}  # the plan index of each sample's last row
     size = decode_batch or len(plan)
@@ -142,7 +143,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                 everyone, mine = sweep or work[i][1], held.pop(i)
                 finished[i] = dict(zip([p.label for p in everyone], _fidelity(
                     lm, work[i][0], [mine[p.label] for p in everyone], everyone,
-                    (full_tokens or {}).get(work[i][0].id), decode_stack)))
+                    (full_tokens or {}).get(work[i][0].id), decode_stack, checks)))
         peak = peak_memory(lm.devices)  # the batch's prefills, compression, decoding and teacher-forced passes
         for k, ((i, pipeline), measured, row) in enumerate(zip(chunk, built, rows), first):
             done_rows.setdefault(i, []).append((pipeline, measured, row, peak))
@@ -210,7 +211,8 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
     work = [(s, todo) for s, todo in work if todo]
     bar = Progress(len(samples), out_dir.name, initial=len(samples) - len(work), logger=LOG, enabled=progress)
     new_tokens, decode_seconds = 0, 0.0
-    checks = begin_run(checks)  # the run's record: its decode batches and scoring passes check each variant once
+    checks = FastPaths() if checks is None else checks  # the run's record: its decode batches and scoring passes
+    # check each variant once (passed down to each, engine/fastpaths.py)
     full = next((p.label for p in pipelines if p.config.name == "full"), None)
     if full is None:  # an ordinary single-method run, not a fault: said at INFO (``-q`` stays silent), and in the table
         LOG.info(NO_FULL)

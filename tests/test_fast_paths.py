@@ -81,6 +81,21 @@ def test_a_kernel_that_differs_falls_back_to_the_reference(monkeypatch, tiny_lm,
     assert record["numbers_from"].startswith("numbers from keys rebuilt, float32 matmuls")
 
 
+def test_a_call_given_no_record_is_a_run_of_its_own(monkeypatch, tiny_lm, tiny_prefill, reference_tokens,
+                                                     spark_log):
+    """No record outlives a call or is shared across the process: each decode_rows call given none checks its first
+    uses afresh (a wrong kernel is caught and warned about in each, and each decodes the reference's tokens), and a
+    batch built without one starts with an empty record of its own."""
+    real = dispatch.stack_apply
+    monkeypatch.setattr(dispatch, "stack_apply", lambda *a, **k: real(*a, **k) + 1.0)  # a wrong kernel
+    for call in (1, 2):
+        assert [r.tokens for r in decode_rows(tiny_lm.model, _rows(tiny_prefill))] == reference_tokens
+        assert len([m for m in spark_log if "differs from its reference" in m]) == call
+    batch = cache_module.BatchedCache([row.cache for row in _rows(tiny_prefill, CONFIGS[:2])], capacity=4)
+    assert batch.fast_paths.checks == {} and batch.fast_paths.on("kernel")
+    assert all(layer.fast_paths is batch.fast_paths for layer in batch.layers)
+
+
 @pytest.fixture
 def triton_on_cpu(monkeypatch):
     pytest.importorskip("triton")
@@ -198,10 +213,7 @@ def test_the_manifest_run_log_and_report_say_which_path_computed_the_numbers(mon
     from test_protocol import _compose
 
     from spark_bench.cli import run
-    from spark_bench.engine import fastpaths
     from spark_bench.report.setup import fast_path_note
-
-    monkeypatch.setattr(fastpaths, "_CURRENT", [FastPaths()])  # the run's record stays with this test
 
     real = dispatch.stack_apply
     monkeypatch.setattr(dispatch, "stack_apply", lambda *a, **k: real(*a, **k) + 1.0)

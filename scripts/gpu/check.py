@@ -55,7 +55,7 @@ import spark_bench  # noqa: E402
 from spark_bench.checks import CONF_DIR as CONF  # noqa: E402  (conf/ in a checkout, spark_bench/conf in a wheel)
 from spark_bench.engine import cache as cache_module  # noqa: E402
 from spark_bench.engine import clock  # noqa: E402
-from spark_bench.engine import fastpaths  # noqa: E402
+from spark_bench.engine.fastpaths import FastPaths  # noqa: E402
 from spark_bench.engine.attention import compressed_attention_enabled  # noqa: E402
 from spark_bench.engine.cache import BatchedCache, BatchedLayer  # noqa: E402
 from spark_bench.engine.decode import DecodeRow, StepGraph, decode_rows  # noqa: E402
@@ -212,6 +212,9 @@ class Bench:
             None, "none (CPU smoke)")
         self.contexts: dict[str, list] = {}
         self.compress_s: dict[str, float] = {}
+        # the check is a run of its own: one record of its fast paths (engine/fastpaths.py) for every section's
+        # batches, each variant checked at its first use
+        self.checks = FastPaths()
 
     def model_config(self):
         """The planner's view of this model (:class:`~spark_bench.models.ModelConfig` with its ``arch:`` block)."""
@@ -286,7 +289,7 @@ def memory(bench: Bench, workload: str) -> dict:
     baseline = clock.resident_now() - weights if bench.device.type == "cpu" else 0
     ctxs = bench.build(workload)
     rows = [DecodeRow(c.cache, c.first_logits, len(c.input_ids), new, frozenset()) for c in ctxs]
-    decode_rows(bench.model, rows)
+    decode_rows(bench.model, rows, checks=bench.checks)
     bench.sync()
     measured = clock.peak_memory(bench.device)
     device = Device(str(bench.device), weights, bench.scale.shape["num_hidden_layers"])
@@ -318,7 +321,8 @@ def _fused_layer(bench: Bench, ctxs: list) -> dict:
     scale = bench.scale
     rows = [c.cache.layers[0] for c in ctxs]
     capacity = 2 + scale.warm + scale.repeats
-    layer, reference = BatchedLayer(rows, capacity), BatchedLayer(rows, capacity, mode="materialize")
+    layer = BatchedLayer(rows, capacity, fast_paths=bench.checks)
+    reference = BatchedLayer(rows, capacity, mode="materialize", fast_paths=bench.checks)
     b, h, _, d = rows[0].value_store.shape
     hq, n = bench.scale.shape["num_attention_heads"], len(rows) * b
     g = torch.Generator(device=bench.device).manual_seed(1)
@@ -376,7 +380,7 @@ def _step_times(bench: Bench, ctxs: list) -> dict:
     graph: after the first step (tables built, kernels compiled) and ``warm`` more, ``repeats`` timed steps each."""
     scale, model, device = bench.scale, bench.model, bench.device
     r = len(ctxs)
-    cache = BatchedCache([c.cache for c in ctxs], 2 + 2 * (scale.warm + scale.repeats) + 1)
+    cache = BatchedCache([c.cache for c in ctxs], 2 + 2 * (scale.warm + scale.repeats) + 1, fast_paths=bench.checks)
     ids = torch.randint(100, bench.config.vocab_size, (r, 1), generator=bench.generator).to(device)
     positions = torch.tensor([[len(c.input_ids)] for c in ctxs], device=device)
 
@@ -416,7 +420,7 @@ def tokens(bench: Bench, workload: str) -> dict:
 
     def decode(ctxs, graph=True):
         rows = [DecodeRow(c.cache, c.first_logits, len(c.input_ids), new, frozenset()) for c in ctxs]
-        return [row.tokens for row in decode_rows(bench.model, rows, graph=graph)]
+        return [row.tokens for row in decode_rows(bench.model, rows, graph=graph, checks=bench.checks)]
 
     ctxs = bench.build(workload)
     batched = decode(ctxs)
@@ -464,7 +468,7 @@ def two_devices(bench: Bench) -> dict:
     def decode(model):
         ctxs = spark_bench.compress(model, ids, configs)
         rows = [DecodeRow(c.cache, c.first_logits, len(c.input_ids), 8, frozenset()) for c in ctxs]
-        return [row.tokens for row in decode_rows(model, rows)]
+        return [row.tokens for row in decode_rows(model, rows, checks=bench.checks)]
 
     one = decode(lm.model)
     layers = len(lm.model.model.layers)
@@ -503,7 +507,6 @@ def main(argv: list[str] | None = None) -> int:
               "CPU smoke", file=sys.stderr)
         return 2
     scale = TINY if args.smoke else FULL
-    fastpaths.begin_run()  # this check is a run of its own: its fast paths are checked afresh, not by a past record
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_bandwidth(name) if device.type == "cuda" else (None, "none (CPU smoke)")
     report = Report(Path(args.out), {

@@ -18,7 +18,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from spark_bench.storage import dispatch
 from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
-from spark_bench.engine import fastpaths
 from spark_bench.engine.fastpaths import FastPaths
 from spark_bench.storage.dispatch import compact_backend, compact_logits, kernel_blocker, reference_logits
 from spark_bench.storage.segments import FusedTables, SegmentStack, ValueStack, store_blocker
@@ -266,7 +265,7 @@ class BatchedLayer(CacheLayerMixin):
     def __init__(self, rows: list[StoredLayer], capacity: int, stack: bool = True, mode: str = "compact",
                  fast_paths: FastPaths | None = None):
         super().__init__()
-        self.fast_paths = fastpaths.current() if fast_paths is None else fast_paths  # the run's checks
+        self.fast_paths = FastPaths() if fast_paths is None else fast_paths  # the run's checks (None: its own)
         self.reference = False  # True once a kernel differed from its reference: every row on the reference path
         first = rows[0].value_store
         b, h, _, d = first.shape
@@ -659,12 +658,12 @@ class BatchedCache(Cache):
                  fast_paths: FastPaths | None = None):
         """``consume``: hand each row cache's layer over as soon as it is batched (``caches`` are unusable after),
         so building the batch never holds a layer's stores twice. ``fast_paths``: the run's record of its fast paths
-        (:mod:`~spark_bench.engine.fastpaths`; default: the current one, :func:`~.fastpaths.current`)."""
+        (:mod:`~spark_bench.engine.fastpaths`; default: a new one, this batch a run of its own)."""
         modes = {c.attention for c in caches}
         if len(modes) != 1:
             raise ValueError(f"one decode batch cannot mix attention modes {sorted(modes)}")
         mode = modes.pop()
-        self.fast_paths = fastpaths.current() if fast_paths is None else fast_paths
+        self.fast_paths = FastPaths() if fast_paths is None else fast_paths
         layers = []
         for i in range(len(caches[0].layers)):
             layers.append(BatchedLayer([c.layers[i] for c in caches], capacity, stack, mode, self.fast_paths))

@@ -22,7 +22,7 @@ from torch import nn
 
 from spark_bench.engine.attention import compressed_attention_enabled
 from spark_bench.engine.cache import BatchedCache, CompressedCache
-from spark_bench.engine.fastpaths import FastPaths, current
+from spark_bench.engine.fastpaths import FastPaths
 
 
 def choose_all(logits: torch.Tensor, rows: list["DecodeRow"], bans: dict | None = None) -> tuple[torch.Tensor,
@@ -194,13 +194,13 @@ def decode_rows(model: nn.Module, rows: list[DecodeRow], stack: bool = True,
     layer while it is built and the rows drop it (the batch's stacks hold what decoding reads), so decoding never
     holds the compressed caches twice. ``graph`` (``decode_graph``): replay each step from a CUDA graph where the
     batch allows (:class:`StepGraph`); the tokens are the same either way. ``checks``: the run's
-    :class:`~spark_bench.engine.fastpaths.FastPaths` (default: the current one), each fast path checked at its first
-    use.
+    :class:`~spark_bench.engine.fastpaths.FastPaths` (default: a new one, the call a run of its own), each fast path
+    checked at its first use in the run.
 
     ``forward_s`` is the time the rows wait for while decoding: the forwards, building the batch, dropping stopped
     rows (``keep``) and graph captures; ``warmup_s`` the first use of each fast-path variant (its compile, its check
     against the reference)."""
-    checks = current() if checks is None else checks
+    checks = FastPaths() if checks is None else checks
     by_suffix: dict[int, list[DecodeRow]] = {}
     for row in rows:
         if not row.suffix and row.first_logits is None:

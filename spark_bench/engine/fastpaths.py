@@ -20,6 +20,14 @@ keys rebuilt, plain float32 matmuls) or graphs off (eager steps). :meth:`FastPat
 its ``manifest.json`` and the report prints: which path produced the numbers. The first use of each variant — its
 compile and its check — is timed apart (:attr:`FastPaths.seconds`, the rows' ``warmup_s``), not in the decode
 throughput.
+
+A run's record is one :class:`FastPaths` object, passed down explicitly: a sweep
+(:func:`spark_bench.runner.run_sweep`) makes one and hands it to every decode batch and scoring pass of the run
+(``checks=`` / ``fast_paths=``), so each variant is checked once per run and a fallback holds for the rest of it;
+``scripts/gpu/check.py`` makes one for the check. A call given none (a library call: :func:`spark_bench.generate`,
+:func:`~spark_bench.engine.decode.decode_rows`, a :class:`~spark_bench.engine.cache.BatchedCache`) is a run of its
+own with a new record: no state is kept between calls or shared across a process. A caller of those that wants one
+record over several calls passes the same object to each.
 """
 
 from __future__ import annotations
@@ -134,22 +142,6 @@ class FastPaths:
         """What the manifest keeps: the summary line, each check, what was switched off, the first uses' time."""
         return {"numbers_from": self.summary(), "enabled": self.enabled, "fallbacks": dict(self.off),
                 "checks": [asdict(c) for c in self.checks.values()], "warmup_s": round(self.seconds, 4)}
-
-
-_CURRENT = [FastPaths()]
-
-
-def current() -> FastPaths:
-    """The record decode batches use when none is given (:func:`begin_run` starts a run's; a library session's
-    first uses are checked once per process)."""
-    return _CURRENT[0]
-
-
-def begin_run(record: FastPaths | None = None) -> FastPaths:
-    """Make ``record`` (default: a new one) the current record: every decode batch of the run, the scoring passes
-    included, checks each variant once and falls back together."""
-    _CURRENT[0] = FastPaths() if record is None else record
-    return _CURRENT[0]
 
 
 def _drain(tensor: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ from torch import nn
 
 from spark_bench.engine.attention import compressed_attention_enabled
 from spark_bench.engine.cache import BatchedCache, CompressedCache
+from spark_bench.engine.fastpaths import FastPaths
 
 KL_TOKENS = 16  # positions of the full cache's greedy continuation that kl_full / agree_full compare
 
@@ -59,10 +60,13 @@ class Fidelity:
 
 
 @torch.inference_mode()
-def forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool = True) -> list[torch.Tensor]:
+def forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool = True,
+                     checks: FastPaths | None = None) -> list[torch.Tensor]:
     """Per row, ``(len(fed) + 1, V)`` float32 log-probabilities of its next token: position 0 the one decoding takes
     its first token from, position ``k`` after ``fed[:k]``. Rows with equal suffix lengths run as one batch (as
-    decoding groups them), in :meth:`BatchedCache.order`; the caches are read, not consumed."""
+    decoding groups them), in :meth:`BatchedCache.order`; the caches are read, not consumed. ``checks``: the run's
+    fast-path record (:mod:`~spark_bench.engine.fastpaths`; default: a new one, the call a run of its own)."""
+    checks = FastPaths() if checks is None else checks
     out: list[torch.Tensor | None] = [None] * len(rows)
     groups: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
@@ -77,7 +81,7 @@ def forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool = True
         logits = None
         if steps and keep:
             order = [members[j] for j in BatchedCache.order([rows[i].cache for i in members], stack)]
-            cache = BatchedCache([rows[i].cache for i in order], steps, stack, consume=False)
+            cache = BatchedCache([rows[i].cache for i in order], steps, stack, consume=False, fast_paths=checks)
             ids = torch.tensor([list(rows[i].suffix) + rows[i].fed + [0] * (longest - len(rows[i].fed))
                                 for i in order], device=device)  # padding: after every position read
             positions = torch.tensor([[rows[i].position + k for k in range(steps)] for i in order], device=device)
@@ -112,7 +116,8 @@ def kl_agree(full: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
 
 
 def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], full: int | None,
-            greedy: list[int], stack: bool = True, tokens: int = KL_TOKENS) -> list[Fidelity]:
+            greedy: list[int], stack: bool = True, tokens: int = KL_TOKENS,
+            checks: FastPaths | None = None) -> list[Fidelity]:
     """The three numbers of every row of one sample. ``rows``: one per method config (``fed`` is set here);
     ``reference``: the answer's token ids (empty: no ``answer_nll``); ``full``: the index of the full-cache row (None:
     no ``kl_full`` / ``agree_full``); ``greedy``: the full row's decoded tokens (its stop token excluded). One batched
@@ -124,7 +129,7 @@ def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], full:
             forced.append(ForcedRow(row.cache, row.first_logits, row.position, row.suffix, list(reference[:-1])))
         if full is not None:
             forced.append(ForcedRow(row.cache, row.first_logits, row.position, row.suffix, greedy_fed))
-    log_probs = forced_log_probs(model, forced, stack) if forced else []
+    log_probs = forced_log_probs(model, forced, stack, checks) if forced else []
     per_row = len(forced) // max(len(rows), 1)
     out = []
     for r in range(len(rows)):
