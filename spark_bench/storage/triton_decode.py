@@ -177,7 +177,8 @@ def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.con
     word = tl.reshape(tl.broadcast_to(words[:, :, None], (BLOCK_T, NW, 32)), (BLOCK_T, D_PAD))
     below = tl.reshape(tl.broadcast_to(before[:, :, None], (BLOCK_T, NW, 32)), (BLOCK_T, D_PAD))
     x = word << (31 - (c & 31)).to(tl.uint32)[None, :]
-    kept = x.to(tl.int32, bitcast=True) < 0
+    keep = x.to(tl.int32, bitcast=True) >> 31  # −1 where c is kept, 0 where pruned
+    kept = keep != 0
     upto = below + _popc(x)  # kept channels up to c: rank + kept
     # the token's kept row, one entry before it (indexed by rank + 1 where kept)
     rows = tl.where(first, kept_addr + (local - 1) * t_kept * ESIZE + (t_kept - 1) * ESIZE,
@@ -191,16 +192,27 @@ def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.con
     else:
         scale = tl.zeros((BLOCK_T,), tl.float32) + fill
     if SIGNS:
-        bits = sign_bitoff + local * (D - t_kept)  # bit index of the token's first pruned sign
-        phase = (bits & 7).to(tl.int32)
-        signs = (sign_addr + (bits >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True)
-        pos = phase[:, None] + (c[None, :] - upto)  # pruned rank (= c − kept channels before), from the first byte
-        sbyte = tl.load(signs[:, None] + (pos >> 3), mask=pruned & ((t * 0 + mode) == 2)[:, None],
-                        other=255).to(tl.int32)
+        # the token's pruned signs are consecutive bits from ``bits`` (pruned-rank order); word w's pruned channels'
+        # from ``bits + 32w − before_w``: read as one 32-bit window per word (two aligned words, each loaded only
+        # where it holds one of them), so a channel's sign is bit ``c mod 32 − popc(x)`` of its word's window
+        bits = sign_bitoff + local * (D - t_kept) + (sign_addr & 3) * 8  # from the 4-byte aligned base
+        base = sign_addr - (sign_addr & 3)
+        start = bits[:, None] + (wi * 32)[None, :] - before
+        n = tl.minimum(tl.maximum(D - wi * 32, 0), 32)[None, :] - counts  # pruned channels of word w
+        at = base + (start >> 5) * 4
+        shift = start & 31
+        wm = (live & ((t * 0 + mode) == 2))[:, None] & (n > 0)
+        lo = tl.load(at.to(tl.pointer_type(tl.uint32), bitcast=True), mask=wm, other=0xFFFFFFFF)
+        hi = tl.load((at + 4).to(tl.pointer_type(tl.uint32), bitcast=True), mask=wm & (shift + n > 32),
+                     other=0xFFFFFFFF)
+        window = ((lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)) >> shift.to(tl.uint64)).to(tl.uint32)
+        window = tl.reshape(tl.broadcast_to(window[:, :, None], (BLOCK_T, NW, 32)), (BLOCK_T, D_PAD))
+        at_c = ((c & 31)[None, :] - (upto - below)) & 31  # (pruned c: popc(x) = kept channels below it in its word)
+        bit = ((window >> at_c.to(tl.uint32)) & 1).to(tl.int32)
         # bfloat16 bits: 1 → +1 (0x3F80), 0 → −1 (0xBF80)
-        sign = tl.where(pruned, 0xBF80 ^ (((sbyte >> (pos & 7)) & 1) << 15), 0)
+        sign = tl.where(pruned, 0xBF80 ^ (bit << 15), 0)
     else:
-        sign = tl.where(pruned, 0x3F80, 0)
+        sign = 0x3F80 * (keep + 1)  # (a dead token's or padding channel's S meets a masked logit or q = 0)
     return k, scale, sign.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
