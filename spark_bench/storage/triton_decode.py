@@ -126,9 +126,10 @@ def _split3(a):
 @triton.jit
 def _dot3(a1, a2, a3, b, acc):
     """``acc + (a₁ + a₂ + a₃) · b`` on the tensor cores, float32 accumulation (:func:`_split3`)."""
-    acc = tl.dot(a1, b, acc)
-    acc = tl.dot(a2, b, acc)
-    return tl.dot(a3, b, acc)
+    d1 = tl.dot(a1, b, acc)
+    d2 = tl.dot(a2, b)
+    d3 = tl.dot(a3, b)
+    return tl.fma(d2, 1.0, d1) + d3
 
 
 @triton.jit
@@ -179,7 +180,8 @@ def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.con
     x = word << (31 - (c & 31)).to(tl.uint32)[None, :]
     keep = x.to(tl.int32, bitcast=True) >> 31  # −1 where c is kept, 0 where pruned
     kept = keep != 0
-    upto = below + _popc(x)  # kept channels up to c: rank + kept
+    inword = _popc(x)  # kept channels of c's word up to c
+    upto = below + inword  # kept channels up to c: rank + kept
     # the token's kept row, one entry before it (indexed by rank + 1 where kept)
     rows = tl.where(first, kept_addr + (local - 1) * t_kept * ESIZE + (t_kept - 1) * ESIZE,
                     b_kept + (t.to(tl.int64) - b_off) * (D * ESIZE) - ESIZE)
@@ -207,7 +209,7 @@ def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.con
                      other=0xFFFFFFFF)
         window = ((lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)) >> shift.to(tl.uint64)).to(tl.uint32)
         window = tl.reshape(tl.broadcast_to(window[:, :, None], (BLOCK_T, NW, 32)), (BLOCK_T, D_PAD))
-        at_c = ((c & 31)[None, :] - (upto - below)) & 31  # (pruned c: popc(x) = kept channels below it in its word)
+        at_c = ((c & 31)[None, :] - inword) & 31  # (pruned c: popc(x) = kept channels below it in its word)
         bit = ((window >> at_c.to(tl.uint32)) & 1).to(tl.int32)
         # bfloat16 bits: 1 → +1 (0x3F80), 0 → −1 (0xBF80)
         sign = tl.where(pruned, 0xBF80 ^ (bit << 15), 0)
