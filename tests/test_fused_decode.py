@@ -403,3 +403,26 @@ def test_decode_graph_is_used_only_where_the_step_is_static(monkeypatch, tiny_pr
     batch = _batch_layer(tiny_prefill, CONFIGS[:3])
     assert batch.graph_blocker() == "the batch is not on a CUDA device"
     assert graph_step(None, batch, None, None, wanted=True) is None  # never reaches the capture
+
+
+def test_the_rank_popcount_counts_the_set_bits_of_every_word(triton_on_cpu):
+    """The kept-channel ranks rest on ``_popc``: on the GPU the ``POPC`` instruction, under the interpreter SWAR bit
+    sums, which must count the set bits of any 32-bit word (the top bit and the all-ones word included)."""
+    import triton
+    import triton.language as tl
+
+    from spark_bench.storage import triton_decode
+
+    globals()["triton_decode"] = triton_decode  # (a kernel reads its module's names, not the test's locals)
+
+    @triton.jit
+    def count(x_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out_ptr + i, triton_decode._popc(tl.load(x_ptr + i).to(tl.uint32, bitcast=True)))
+
+    words = [0, 1, 3, -1, -2 ** 31, 2 ** 31 - 1, 0x55555555, 0x0F0F0F0F, -0x55555556, 0x00010000]
+    words += torch.randint(-2 ** 31, 2 ** 31, (54,), generator=torch.Generator().manual_seed(0)).tolist()
+    x = torch.tensor(words, dtype=torch.int32)
+    out = torch.zeros_like(x)
+    count[(1,)](x, out, len(words))
+    assert out.tolist() == [bin(w & 0xFFFFFFFF).count("1") for w in words]

@@ -102,8 +102,8 @@ def _sqrt_rn(x):
 
 @triton.jit
 def _popc(x):
-    """Set bits of each uint32 ``x`` (int32): the GPU's ``POPC`` (libdevice); under the CPU interpreter, which has no
-    libdevice, the same count by the SWAR bit sums."""
+    """The set bits of each uint32 ``x``, as int32: the GPU's ``POPC`` (libdevice); under the CPU interpreter, which
+    has no libdevice, the same count by SWAR bit sums (``tests/test_fused_decode.py`` checks it)."""
     if INTERPRET:
         x = x - ((x >> 1) & 0x55555555)
         x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
@@ -125,7 +125,9 @@ def _split3(a):
 
 @triton.jit
 def _dot3(a1, a2, a3, b, acc):
-    """``acc + (a₁ + a₂ + a₃) · b`` on the tensor cores, float32 accumulation (:func:`_split3`)."""
+    """``acc + (a₁ + a₂ + a₃) · b`` on the tensor cores, float32 accumulation (:func:`_split3`). The three dots
+    accumulate apart and are joined by ``fma(d₂, 1, d₁) + d₃`` (exactly ``d₁ + d₂ + d₃``): Triton would fold a plain
+    sum into one accumulator chain, which ptxas pads for sm_90 with no-op instructions between dependent HMMAs."""
     d1 = tl.dot(a1, b, acc)
     d2 = tl.dot(a2, b)
     d3 = tl.dot(a3, b)
