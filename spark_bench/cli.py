@@ -24,98 +24,17 @@ from omegaconf import DictConfig, OmegaConf
 from spark_bench import hub, logs
 from spark_bench.commandline import check_sweep, compose_jobs, prepare_command_line
 from spark_bench.checks import (
-    CONF_DIR, PROTOCOL_KEYS, ConfigError, budget_warnings, check_file, check_group_choices, check_launcher,
-    check_options, check_output, check_token_ids, cuda_exists, parse_shard, protocol_options, resolve_device,
+    CONF_DIR, PROTOCOL_KEYS, ConfigError, budget_warnings, check_group_choices, check_launcher, check_options,
+    check_output, cuda_exists, parse_shard, resolve_device,
 )
 from spark_bench.models import ModelConfig, load_model, resolve_sources
+from spark_bench.samples import benchmark_tasks, check_benchmark, load_samples
+from spark_bench.sweep import check_budgets, method_configs
 
 LOG = logging.getLogger("spark_bench.cli")  # also when run as python -m spark_bench.cli
 
 # torch / transformers / the method and benchmark modules are imported inside the functions that need them, after
 # the cheap checks (config group names, model and data sources), so a missing model fails in about a second.
-WINDOWED = ("snapkv", "pyramidkv", "adasnapkv")   # evictions that always keep the observation window
-SINKED = ("streamingllm", "expected_attention")   # evictions that always keep n_sink tokens
-
-
-def method_options() -> tuple[str, ...]:
-    """The method options that are also top-level config keys (:func:`~spark_bench.methods.pipeline.option_names`)."""
-    from spark_bench.methods.pipeline import option_names
-
-    return option_names()
-
-
-def protocol_name(cfg: DictConfig) -> str | None:
-    """The protocol the run chose: Hydra's choice when it runs the command, else (a config composed elsewhere) the
-    protocol whose options the config's agree with most (paper and kvcache_factory set the same method options)."""
-    try:
-        return HydraConfig.get().runtime.choices.get("protocol")
-    except ValueError:  # not under Hydra's run (compose API: tests, multirun checks, scripts)
-        pass
-    names = sorted(p.stem for p in (CONF_DIR / "protocol").glob("*.yaml"))
-    agree = {n: sum(cfg.get(k) == v for k, v in protocol_options(n).items()) for n in names}
-    return max(names, key=lambda n: agree[n]) if names else None
-
-
-def default_options(cfg: DictConfig) -> dict:
-    """Each method option's default: ``conf/config.yaml``'s value, or the chosen protocol's."""
-    top = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))
-    protocol = protocol_name(cfg)
-    return {**{k: top.get(k) for k in method_options()}, **(protocol_options(protocol) if protocol else {})}
-
-
-def method_configs(cfg: DictConfig) -> list[MethodConfig]:
-    """``method=`` selects one config built from the top-level options; otherwise every ``sweep.configs``
-    entry, each overriding the top-level options. An entry's ``protocol: <name>`` puts that protocol's options
-    under the entry's own (so one sweep can compare protocols over one shared prefill).
-
-    An option set away from its default that the method does not read is refused
-    (:func:`~spark_bench.methods.pipeline.unread_option`): with ``method=``, a top-level option; in a sweep, an
-    entry's own option, or a top-level one that no entry reads (each entry that reads it without setting it)."""
-    from spark_bench.methods import MethodConfig
-    from spark_bench.methods.pipeline import ratio_needed, relevant_options, unread_option
-
-    base = {k: cfg[k] for k in method_options() if k in cfg}
-    if isinstance(base.get("kvpress"), DictConfig):
-        base["kvpress"] = OmegaConf.to_container(base["kvpress"])
-    plain = {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
-             for k, v in ((k, cfg.get(k)) for k in method_options())}  # the method options only (run= may not resolve)
-    defaults = default_options(cfg)
-    explicit = [k for k in method_options() if plain.get(k) != defaults.get(k)
-                and not (k == "ratio" and not plain.get(k))]  # ratio null or 0: the base method
-    single = bool(cfg.get("method"))
-    entries = [{"name": cfg.method.name}] if single else OmegaConf.to_container(cfg.sweep.configs)
-    out, readers = [], {k: 0 for k in explicit}
-    for i, entry in enumerate(entries):
-        where = "method" if single else f"sweep.configs[{i}]"
-        try:
-            entry = dict(entry)
-            protocol = protocol_options(entry.pop("protocol")) if "protocol" in entry else {}
-            values = {**base, **protocol, **entry}
-            unset = values.get("ratio") is None  # required where top-T channels are kept, else 0 (unused)
-            config = MethodConfig.from_dict({**values, "ratio": 0.0} if unset else values)
-            needed = ratio_needed(config) if unset else None
-            if needed:
-                raise ConfigError(f"{where}: {needed}")
-            unread = unread_option(config, explicit if single else [k for k in entry if k != "name"])
-            if unread:
-                raise ConfigError(f"{where}: {unread}")
-            relevant = relevant_options(config.to_dict())
-            for k in readers:
-                readers[k] += k in relevant and k not in entry and k not in protocol
-            out.append(config)
-        except (TypeError, ValueError) as err:
-            if isinstance(err, ConfigError):
-                raise
-            raise ConfigError(f"{where}: {err}") from None
-    if not single:
-        from spark_bench.methods.pipeline import _option_text, option_readers
-
-        for k, n in readers.items():
-            if not n:
-                raise ConfigError(f"{k}={_option_text(plain.get(k))}: no entry of sweep.configs reads it (each sets "
-                                  f"its own, or its method ignores it), so it would change nothing; {k} is read by "
-                                  f"{option_readers(k)}; set it in the entries, or use method=")
-    return out
 
 
 def model_config(cfg: DictConfig) -> ModelConfig:
@@ -142,11 +61,6 @@ def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tup
     model = model_config(cfg)
     if sources and model_sources:  # first, and before torch is imported: a missing model is reported within seconds
         model = resolve_sources(model)
-    from spark_bench.benchmarks.export import read_samples
-    from spark_bench.benchmarks.longbench import PROTOCOLS as LONGBENCH_PROTOCOLS
-    from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS, TASKS as LONGBENCH_TASKS, hub_source, \
-        read_records
-    from spark_bench.benchmarks.ruler import RULER_TASKS, check_qa_sources
     from spark_bench.methods.pipeline import sweep_labels
 
     configs = method_configs(cfg)
@@ -161,74 +75,9 @@ def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tup
     if unusable:
         raise ConfigError(unusable)
     resolve_device(cfg.get("device", "auto"), model)
-    b = cfg.benchmark
-    if b.name not in BENCHMARKS:
-        raise ConfigError(f"benchmark.name={b.name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
-    if b.get("data_file"):
-        check_file("benchmark.data_file", b.data_file)
-        try:
-            samples = read_samples(b.data_file)
-        except ValueError as err:
-            raise ConfigError(f"benchmark.data_file: {err}") from None
-        if not samples:
-            raise ConfigError(f"benchmark.data_file: {b.data_file} holds no samples")
-        check_token_ids(samples, model, "benchmark.data_file")
-        return model, configs
-    if b.name == "ruler":
-        unknown = [t for t in b.tasks if t not in RULER_TASKS]
-        if unknown:
-            raise ConfigError(f"benchmark.tasks: unknown RULER task(s) {unknown}; valid: {', '.join(RULER_TASKS)}")
-        if b.length > model.max_length:
-            raise ConfigError(f"benchmark.length={b.length} exceeds model {model.name} max_length={model.max_length}")
-        for key in ("essay_file", "squad_file", "hotpotqa_file"):
-            check_file(f"ruler.{key}", cfg.ruler.get(key))
-        source = cfg.ruler.get("source", "generate")
-        if source not in ("generate", "kvpress"):
-            raise ConfigError(f"ruler.source must be one of generate, kvpress; got {source!r}")
-        if source == "kvpress":
-            from spark_bench.benchmarks.ruler.kvpress_records import LENGTHS, kvpress_source
-
-            if b.length not in LENGTHS:
-                raise ConfigError(f"benchmark.length={b.length}: ruler.source=kvpress has lengths {LENGTHS}")
-            if sources:
-                kvpress_source(cfg.ruler.kvpress_path)
-        elif sources:
-            check_qa_sources(b.tasks, cfg.ruler.squad_file, cfg.ruler.hotpotqa_file)
-    else:
-        valid = LONGBENCH_E_TASKS if cfg.longbench.e else tuple(LONGBENCH_TASKS)
-        unknown = [t for t in benchmark_tasks(cfg) if t not in valid]
-        if unknown:
-            raise ConfigError(f"benchmark.tasks: unknown LongBench task(s) {unknown}; valid: {', '.join(valid)}")
-        if cfg.longbench.get("protocol", "pred") not in LONGBENCH_PROTOCOLS:
-            raise ConfigError(f"longbench.protocol must be one of {', '.join(LONGBENCH_PROTOCOLS)}; "
-                              f"got {cfg.longbench.protocol!r}")
-        if cfg.longbench.data_dir is not None:
-            if not Path(cfg.longbench.data_dir).is_dir():
-                raise ConfigError(f"longbench.data_dir: {cfg.longbench.data_dir} is not a directory")
-            for task in benchmark_tasks(cfg):  # every record parsed now: a malformed line is reported before the model loads
-                try:
-                    records = read_records(task, cfg.longbench.data_dir, cfg.longbench.e)
-                except (ValueError, FileNotFoundError) as err:
-                    raise ConfigError(f"longbench.data_dir: {err}") from None
-                if not records:
-                    raise ConfigError(f"longbench.data_dir: {task}{'_e' if cfg.longbench.e else ''}.jsonl in "
-                                      f"{cfg.longbench.data_dir} holds no records")
-        elif sources:
-            hub_source(cfg.longbench.hub_path)
-    length = b.get("length")
-    for i, c in enumerate(configs):
-        where = "method" if cfg.get("method") else f"sweep.configs[{i}]"
-        if c.eviction_name is None:
-            continue
-        tokens = c.budget if c.budget >= 1 else (int(c.budget * length) if length else None)
-        of = f" of benchmark.length={length}" if c.budget < 1 else ""
-        fix = "; raise benchmark.length or the budget" if c.budget < 1 else ""
-        if c.eviction_name in WINDOWED and tokens is not None and tokens < c.window_size:
-            raise ConfigError(f"{where}: budget={c.budget:g}{of} ({tokens} tokens) is smaller than the observation "
-                              f"window window_size={c.window_size}{fix}")
-        if c.eviction_name in SINKED and tokens is not None and tokens <= c.n_sink:
-            raise ConfigError(f"{where}: budget={c.budget:g}{of} ({tokens} tokens) must exceed n_sink={c.n_sink}"
-                              f"{fix}")
+    check_benchmark(cfg, model, sources)
+    if not cfg.benchmark.get("data_file"):  # exported samples: checked as records (above), not against a length
+        check_budgets(cfg, configs)
     return model, configs
 
 
@@ -310,59 +159,6 @@ def source_lines(cfg: DictConfig, model: ModelConfig) -> list[str]:
     if not cfg.benchmark.get("data_file") and cfg.benchmark.name == "ruler" and cfg.ruler.get("source") == "kvpress":
         lines.append(f"RULER records: {hub.describe(cfg.ruler.kvpress_path, 'dataset')}")
     return lines
-
-
-def benchmark_tasks(cfg: DictConfig) -> list[str]:
-    """``benchmark.tasks``, or for LongBench left null: its 16 tasks, or LongBench-E's 13 with ``longbench.e``."""
-    if cfg.benchmark.get("tasks") is not None:
-        return list(cfg.benchmark.tasks)
-    if cfg.benchmark.name != "longbench":
-        raise ConfigError(f"benchmark.tasks must list the {cfg.benchmark.name} tasks to run")
-    from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS, TASKS
-
-    return list(LONGBENCH_E_TASKS if cfg.longbench.e else TASKS)
-
-
-def _ruler(cfg: DictConfig, lm):
-    from spark_bench.benchmarks.ruler import load_ruler
-
-    b, src = cfg.benchmark, cfg.ruler
-    if src.get("source", "generate") == "kvpress":
-        from spark_bench.benchmarks.ruler.kvpress_records import load_kvpress_ruler
-
-        return load_kvpress_ruler(list(b.tasks), b.length, b.num_samples, lm, src.kvpress_path, b.get("max_new_tokens"))
-    return load_ruler(list(b.tasks), b.length, b.num_samples, b.seed, lm, b.get("max_new_tokens"),
-                      essay_file=src.essay_file, squad_file=src.squad_file, hotpotqa_file=src.hotpotqa_file,
-                      system_prompt=src.get("system_prompt", True))
-
-
-def _longbench(cfg: DictConfig, lm):
-    from spark_bench.benchmarks.longbench import load_longbench
-
-    src = cfg.longbench
-    samples = load_longbench(benchmark_tasks(cfg), lm, data_dir=src.data_dir, num_samples=cfg.benchmark.num_samples,
-                             e=src.e, max_length=src.max_length, hub_path=src.hub_path,
-                             rouge_backend=src.rouge_backend, protocol=src.get("protocol", "pred"))
-    cap = cfg.benchmark.get("max_new_tokens")  # benchmark.max_new_tokens: instead of each task's own, as for RULER
-    if cap is None:
-        return samples
-    from dataclasses import replace
-
-    return [replace(s, max_new_tokens=cap, min_new_tokens=min(s.min_new_tokens, cap)) for s in samples]
-
-
-BENCHMARKS = {"ruler": _ruler, "longbench": _longbench}
-
-
-def load_samples(cfg: DictConfig, lm):
-    from spark_bench.benchmarks.export import read_samples
-
-    if cfg.benchmark.get("data_file"):  # samples exported by spark-bench-export: rerun exactly
-        samples = read_samples(cfg.benchmark.data_file)
-    else:
-        samples = BENCHMARKS[cfg.benchmark.name](cfg, lm)
-    shard = parse_shard(cfg.get("shard"))
-    return samples if shard is None else samples[shard[0]::shard[1]]
 
 
 def output_dir(cfg: DictConfig) -> Path:

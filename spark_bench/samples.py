@@ -1,0 +1,132 @@
+"""A run's samples from its composed config (the ``benchmark``, ``ruler`` and ``longbench`` sections): the tasks
+(:func:`benchmark_tasks`), everything about them that can be refused before the model loads
+(:func:`check_benchmark`: names, lengths, files, every LongBench record, exported samples' token ids) and the
+samples themselves (:func:`load_samples`: generated RULER, LongBench, or ``benchmark.data_file``'s exported records;
+this shard's share). The benchmark modules are imported inside the functions, after the cheap checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from spark_bench.checks import ConfigError, check_file, check_token_ids, parse_shard
+from spark_bench.models import ModelConfig
+
+
+def check_benchmark(cfg: DictConfig, model: ModelConfig, sources: bool = True) -> None:
+    """Refuses (:class:`~spark_bench.checks.ConfigError`, one line) a benchmark config the run would fail on:
+    ``sources``: also resolve where hub data comes from (a dry run only reports it)."""
+    from spark_bench.benchmarks.export import read_samples
+    from spark_bench.benchmarks.longbench import PROTOCOLS as LONGBENCH_PROTOCOLS
+    from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS, TASKS as LONGBENCH_TASKS, hub_source, \
+        read_records
+    from spark_bench.benchmarks.ruler import RULER_TASKS, check_qa_sources
+
+    b = cfg.benchmark
+    if b.name not in BENCHMARKS:
+        raise ConfigError(f"benchmark.name={b.name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
+    if b.get("data_file"):
+        check_file("benchmark.data_file", b.data_file)
+        try:
+            samples = read_samples(b.data_file)
+        except ValueError as err:
+            raise ConfigError(f"benchmark.data_file: {err}") from None
+        if not samples:
+            raise ConfigError(f"benchmark.data_file: {b.data_file} holds no samples")
+        check_token_ids(samples, model, "benchmark.data_file")
+        return
+    if b.name == "ruler":
+        unknown = [t for t in b.tasks if t not in RULER_TASKS]
+        if unknown:
+            raise ConfigError(f"benchmark.tasks: unknown RULER task(s) {unknown}; valid: {', '.join(RULER_TASKS)}")
+        if b.length > model.max_length:
+            raise ConfigError(f"benchmark.length={b.length} exceeds model {model.name} max_length={model.max_length}")
+        for key in ("essay_file", "squad_file", "hotpotqa_file"):
+            check_file(f"ruler.{key}", cfg.ruler.get(key))
+        source = cfg.ruler.get("source", "generate")
+        if source not in ("generate", "kvpress"):
+            raise ConfigError(f"ruler.source must be one of generate, kvpress; got {source!r}")
+        if source == "kvpress":
+            from spark_bench.benchmarks.ruler.kvpress_records import LENGTHS, kvpress_source
+
+            if b.length not in LENGTHS:
+                raise ConfigError(f"benchmark.length={b.length}: ruler.source=kvpress has lengths {LENGTHS}")
+            if sources:
+                kvpress_source(cfg.ruler.kvpress_path)
+        elif sources:
+            check_qa_sources(b.tasks, cfg.ruler.squad_file, cfg.ruler.hotpotqa_file)
+    else:
+        valid = LONGBENCH_E_TASKS if cfg.longbench.e else tuple(LONGBENCH_TASKS)
+        unknown = [t for t in benchmark_tasks(cfg) if t not in valid]
+        if unknown:
+            raise ConfigError(f"benchmark.tasks: unknown LongBench task(s) {unknown}; valid: {', '.join(valid)}")
+        if cfg.longbench.get("protocol", "pred") not in LONGBENCH_PROTOCOLS:
+            raise ConfigError(f"longbench.protocol must be one of {', '.join(LONGBENCH_PROTOCOLS)}; "
+                              f"got {cfg.longbench.protocol!r}")
+        if cfg.longbench.data_dir is not None:
+            if not Path(cfg.longbench.data_dir).is_dir():
+                raise ConfigError(f"longbench.data_dir: {cfg.longbench.data_dir} is not a directory")
+            for task in benchmark_tasks(cfg):  # every record parsed now: a malformed line is reported before the model loads
+                try:
+                    records = read_records(task, cfg.longbench.data_dir, cfg.longbench.e)
+                except (ValueError, FileNotFoundError) as err:
+                    raise ConfigError(f"longbench.data_dir: {err}") from None
+                if not records:
+                    raise ConfigError(f"longbench.data_dir: {task}{'_e' if cfg.longbench.e else ''}.jsonl in "
+                                      f"{cfg.longbench.data_dir} holds no records")
+        elif sources:
+            hub_source(cfg.longbench.hub_path)
+
+
+def benchmark_tasks(cfg: DictConfig) -> list[str]:
+    """``benchmark.tasks``, or for LongBench left null: its 16 tasks, or LongBench-E's 13 with ``longbench.e``."""
+    if cfg.benchmark.get("tasks") is not None:
+        return list(cfg.benchmark.tasks)
+    if cfg.benchmark.name != "longbench":
+        raise ConfigError(f"benchmark.tasks must list the {cfg.benchmark.name} tasks to run")
+    from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS, TASKS
+
+    return list(LONGBENCH_E_TASKS if cfg.longbench.e else TASKS)
+
+
+def _ruler(cfg: DictConfig, lm):
+    from spark_bench.benchmarks.ruler import load_ruler
+
+    b, src = cfg.benchmark, cfg.ruler
+    if src.get("source", "generate") == "kvpress":
+        from spark_bench.benchmarks.ruler.kvpress_records import load_kvpress_ruler
+
+        return load_kvpress_ruler(list(b.tasks), b.length, b.num_samples, lm, src.kvpress_path, b.get("max_new_tokens"))
+    return load_ruler(list(b.tasks), b.length, b.num_samples, b.seed, lm, b.get("max_new_tokens"),
+                      essay_file=src.essay_file, squad_file=src.squad_file, hotpotqa_file=src.hotpotqa_file,
+                      system_prompt=src.get("system_prompt", True))
+
+
+def _longbench(cfg: DictConfig, lm):
+    from spark_bench.benchmarks.longbench import load_longbench
+
+    src = cfg.longbench
+    samples = load_longbench(benchmark_tasks(cfg), lm, data_dir=src.data_dir, num_samples=cfg.benchmark.num_samples,
+                             e=src.e, max_length=src.max_length, hub_path=src.hub_path,
+                             rouge_backend=src.rouge_backend, protocol=src.get("protocol", "pred"))
+    cap = cfg.benchmark.get("max_new_tokens")  # benchmark.max_new_tokens: instead of each task's own, as for RULER
+    if cap is None:
+        return samples
+    from dataclasses import replace
+
+    return [replace(s, max_new_tokens=cap, min_new_tokens=min(s.min_new_tokens, cap)) for s in samples]
+
+
+BENCHMARKS = {"ruler": _ruler, "longbench": _longbench}
+
+
+def load_samples(cfg: DictConfig, lm):
+    from spark_bench.benchmarks.export import read_samples
+
+    if cfg.benchmark.get("data_file"):  # samples exported by spark-bench-export: rerun exactly
+        samples = read_samples(cfg.benchmark.data_file)
+    else:
+        samples = BENCHMARKS[cfg.benchmark.name](cfg, lm)
+    shard = parse_shard(cfg.get("shard"))
+    return samples if shard is None else samples[shard[0]::shard[1]]
