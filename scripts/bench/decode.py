@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from spark_bench.benchmarks.ruler import load_ruler
 from spark_bench.cli import CONF_DIR
 from spark_bench.engine.decode import DecodeRow, decode_rows
+from spark_bench.engine.fastpaths import FastPaths
 from spark_bench.engine.prefill import run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.models import ModelConfig, load_model
@@ -134,9 +135,10 @@ def compare(lm, samples, configs, scratch: Path, name: str, step_ms: dict[int, f
 
 
 @torch.inference_mode()
-def step_ms(lm, sample, configs, steps: int, repeats: int) -> dict:
+def step_ms(lm, sample, configs, steps: int, repeats: int, checks: FastPaths) -> dict:
     """Median ms of one decode step for all ``configs`` batched (stacked, and the per-row path), and for a dense
-    DynamicCache batch of that size."""
+    DynamicCache batch of that size. ``checks``: the script's fast-path record (engine/fastpaths.py), so each variant
+    is checked against its reference once, at its first use in the script, not in every timed decode."""
     model = lm.model
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -149,7 +151,7 @@ def step_ms(lm, sample, configs, steps: int, repeats: int) -> dict:
                               prefill.first_logits, prefill.prompt_length, steps + 1, frozenset()) for c in configs]
             sync()
             start = time.perf_counter()
-            decode_rows(model, rows, stack=stack)
+            decode_rows(model, rows, stack=stack, checks=checks)
             sync()
             times.append((time.perf_counter() - start) / steps)
     r = len(configs)
@@ -233,8 +235,9 @@ def main() -> None:
                   "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                   "weights_step_ms": floor,
                   **{name: compare(lm, samples, sweep_configs(name), scratch, name, floor) for name in sweeps}}
+    checks = FastPaths()
     for name in sweeps:
-        result[f"step_{name}"] = step_ms(lm, samples[0], sweep_configs(name), steps=12, repeats=3)
+        result[f"step_{name}"] = step_ms(lm, samples[0], sweep_configs(name), steps=12, repeats=3, checks=checks)
     shutil.rmtree(scratch, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -30,6 +30,7 @@ from spark_bench.benchmarks.ruler import load_ruler
 from spark_bench.cli import CONF_DIR
 from spark_bench.engine.clock import OpCounter
 from spark_bench.engine.decode import DecodeRow, decode_rows
+from spark_bench.engine.fastpaths import FastPaths
 from spark_bench.engine.prefill import run_prefill
 from spark_bench.methods import Pipeline
 from spark_bench.models import ModelConfig, load_model
@@ -57,7 +58,8 @@ def count_steps(fn, steps: list[int], launches=None) -> dict:
 
 
 @torch.inference_mode()
-def measure(lm, sample, configs) -> dict:
+def measure(lm, sample, configs, checks: FastPaths) -> dict:
+    """``checks``: the script's fast-path record (each variant checked once, at its first use in the script)."""
     model = lm.model
     device = model.device
     prefill = run_prefill(model, torch.tensor([sample.input_ids], device=device), 32)
@@ -66,7 +68,7 @@ def measure(lm, sample, configs) -> dict:
         selections = {}
         rows = [DecodeRow(Pipeline.from_config(c).build_cache(prefill, selections=selections)[0],
                           prefill.first_logits, prefill.prompt_length, n + 1, frozenset()) for c in configs]
-        decode_rows(model, rows, stack=stack)
+        decode_rows(model, rows, stack=stack, checks=checks)
 
     r = len(configs)
     base = DynamicCache(config=model.config)
@@ -144,8 +146,9 @@ def main() -> None:
     model_cfg = ModelConfig.from_dict(OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml")))
     lm = load_model(model_cfg, "cpu")
     sample = load_ruler(["niah_single_1"], args.length, 1, 42, lm, 16)[0]
+    checks = FastPaths()
     result = {"model": model_cfg.name, "device": "cpu",
-              **{name: measure(lm, sample, mix(name)) for name in MIXES}}
+              **{name: measure(lm, sample, mix(name), checks) for name in MIXES}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     for name in MIXES:
