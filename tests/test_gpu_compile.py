@@ -67,8 +67,8 @@ def test_loops_are_found_by_their_back_edges():
 
 def test_the_instruction_budget_script_reads_a_launched_kernel():
     """scripts/bench/instructions.py on one specialisation (the sm_90 partials kernel of the decode step): its
-    token loop and a member loop per kind found, and the model's instructions per byte = warps × (token loop + the
-    members' loops) ÷ (BLOCK × bytes per token)."""
+    token loop and a member loop per kind found (the one without a recovery term issues no recovery dot), and the
+    model's instructions per byte = warps × (token loop + the members' loops) ÷ (BLOCK × bytes per token)."""
     spec = importlib.util.spec_from_file_location("instructions", ROOT / "scripts/bench/instructions.py")
     bench = importlib.util.module_from_spec(spec)
     sys.modules["instructions"] = bench  # (its dataclasses look their module up)
@@ -76,7 +76,10 @@ def test_the_instruction_budget_script_reads_a_launched_kernel():
     k = bench.kernel_figures(Launch("partials", 128, 4), 90)
     assert k["spill_bytes"] == 0 and k["ctas_per_sm"] >= 1 and k["loops"]
     token, kinds = bench.token_loop(k)
-    assert kinds["dense"]["instructions"] < kinds["plain"]["instructions"] <= kinds["signed"]["instructions"]
+    assert kinds["dense"]["instructions"] < kinds["bare"]["instructions"] < kinds["plain"]["instructions"] \
+        <= kinds["signed"]["instructions"]
+    # pruned entries read as 0: no recovery dot (three split-term dots instead of six)
+    assert kinds["bare"]["tensor_core"] == kinds["dense"]["tensor_core"] < kinds["plain"]["tensor_core"]
     assert kinds["dense"]["global_loads"].get(1, 0) == 0 and token["global_loads"].get(16)  # 16-byte value loads
     item = {"members": 2, "kinds": ["dense", "signed"], "tokens": 1024, "chunk": 1024, "programs": 1, "heads": 1,
             "bytes_per_token": 600, "key_bytes_per_token": [256, 88], "value_bytes_per_token": 256}

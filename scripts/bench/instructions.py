@@ -119,18 +119,21 @@ def eviction_key(cfg) -> tuple:
 def member_kind(cfg, arch, dtype: str) -> str:
     """Which of the partials kernel's member loops serves ``cfg``'s keys (the order
     :class:`~spark_bench.storage.segments.FusedTables` sorts a work item's heads in): ``dense`` (eviction only, a
-    full row), ``plain`` (a compact layout without signs: ThinK, SparK's paper/zero recoveries, AdaKV rows), ``signed``
-    (SparK's official recovery)."""
+    full row), ``bare`` (pruned entries read as 0, no recovery term: ThinK, SparK's zero/none recoveries, AdaKV
+    rows), ``plain`` (a recovery without signs: SparK's paper/constant recoveries), ``signed`` (SparK's official
+    recovery)."""
     from spark_bench.memory import _synthetic_layer
     from spark_bench.storage.stores import DenseStore, UnstructuredStore
 
     layer = _synthetic_layer(cfg, arch, getattr(__import__("torch"), dtype), 64)
     store = layer.key_store
     if isinstance(store, DenseStore):
-        return "plain" if getattr(layer, "valid_bits", None) is not None or cfg.name.startswith("ada") else "dense"
-    if isinstance(store, UnstructuredStore) and store.recovery.kernel_terms().mode == "signed":
-        return "signed"
-    return "plain"
+        return "bare" if getattr(layer, "valid_bits", None) is not None or cfg.name.startswith("ada") else "dense"
+    if isinstance(store, UnstructuredStore):
+        terms = store.recovery.kernel_terms()
+        mode, fill = getattr(terms, "mode", None), getattr(terms, "fill", None)
+        return "signed" if mode == "signed" else "bare" if mode == "constant" and fill == 0 else "plain"
+    return "bare"  # ThinK's structured keys: pruned channels read as 0
 
 
 def work_items(model, configs, prompt: int, members: int, layer: int = 0) -> list[dict]:
@@ -142,7 +145,7 @@ def work_items(model, configs, prompt: int, members: int, layer: int = 0) -> lis
     from spark_bench.storage.segments import FusedTables
 
     arch = Arch.of(model)
-    order = {"dense": 0, "plain": 1, "signed": 2}
+    order = {"dense": 0, "bare": 1, "plain": 2, "signed": 3}
     groups: dict = {}
     for cfg in configs:
         t = stored_tokens(cfg, arch, prompt)[layer]
@@ -198,15 +201,18 @@ def scenarios() -> dict:
 
 def token_loop(k: dict) -> tuple[dict, dict]:
     """The partials kernel's steady-state loop (the top-level loop holding the member loops, else the largest) and
-    its member loop per kind: told apart by their byte loads (the mask and sign bytes): none → ``dense``, the most →
-    ``signed``, between → ``plain``; a single member loop serves every kind."""
+    its member loop per kind: four member loops are, in program order, ``dense``, ``bare``, ``plain``, ``signed``
+    (the kernel's source order); otherwise they are told apart by their byte loads (the mask and sign bytes): none →
+    ``dense``, the most → ``signed``, between → ``plain`` (and ``bare``); a single member loop serves every kind."""
     loops = k["loops"]
     token = max(loops, key=lambda x: (bool(x["inner"]), x["instructions"]))
+    if len(token["inner"]) == 4:
+        return token, dict(zip(("dense", "bare", "plain", "signed"), token["inner"]))
     inner = sorted(token["inner"], key=lambda x: x["global_loads"].get(1, 0))
     if len(inner) <= 1:
-        return token, {kind: inner[0] if inner else None for kind in ("dense", "plain", "signed")}
+        return token, {kind: inner[0] if inner else None for kind in ("dense", "bare", "plain", "signed")}
     kinds = {"dense": inner[0] if not inner[0]["global_loads"].get(1) else None, "signed": inner[-1]}
-    kinds["plain"] = inner[1] if len(inner) > 2 else inner[-1]
+    kinds["plain"] = kinds["bare"] = inner[1] if len(inner) > 2 else inner[-1]
     if kinds["dense"] is None:
         kinds["dense"] = kinds["plain"]
     return token, kinds

@@ -311,12 +311,17 @@ class FusedTables:
             slots += -(-tokens[qh] // chunks[qh])
         work, lists = [], []
         modes = [r[8] for r in seg_rows]
+        bare = [r[8] == MODES["dense"] or (r[8] == MODES["constant"] and r[9] == 0) for r in seg_rows]
 
         def kind(qh: int) -> int:
-            """The kernel's member loop for ``qh`` (:mod:`.triton_decode`): 0 dense keys and every token valid, 1 a
-            compact layout without signs, 2 with them (official recovery)."""
-            both = (modes[first[qh]], modes[second[qh] if second[qh] >= 0 else first[qh]])
-            return 0 if both == (3, 3) and valid[qh] is None else 2 if 2 in both else 1
+            """The kernel's member loop for ``qh`` (:mod:`.triton_decode`): 0 dense keys and every token valid, 1
+            pruned entries read as 0 (no recovery term: ThinK, zero/none recoveries, AdaKV's dense rows), 2 a compact
+            layout with a recovery, without signs, 3 with them (official recovery)."""
+            segs = (first[qh], second[qh] if second[qh] >= 0 else first[qh])
+            both = (modes[segs[0]], modes[segs[1]])
+            if both == (3, 3) and valid[qh] is None:
+                return 0
+            return 3 if 2 in both else 1 if bare[segs[0]] and bare[segs[1]] else 2
 
         for (part, offset, n), heads in groups.items():
             address, step = _address(values.parts[part], offset), chunks[heads[0]]

@@ -25,8 +25,8 @@ Rows sharing a value tensor (configs with the same eviction selection) are stack
 (``MEMBERS × ROWS_PER_MEMBER ≤ ROWS``): each value block is loaded once for all of them. A program's heads come
 sorted by kind (:class:`~spark_bench.storage.segments.FusedTables`), and each kind has its own member loop inside the
 token loop, specialised to it: dense keys (eviction only, a full row: rows of ``D`` channels loaded like the values),
-compact keys without signs (ThinK, SparK's paper/zero/constant recoveries, AdaKV rows), compact keys with signs
-(SparK's official recovery). A member's table row is read as scalars (L1-resident), never picked out of registers.
+keys whose pruned entries read as 0 (ThinK, SparK's zero/none recoveries, AdaKV rows: no recovery term), compact keys
+with a recovery without signs (SparK's paper/constant recoveries), with signs (SparK's official recovery). A member's table row is read as scalars (L1-resident), never picked out of registers.
 Values (and dense keys) are addressed from the typed element pointer plus a 64-bit offset that the tables state is
 16-byte aligned (``VALIGN``): 16-byte loads. The machine code's instruction budget is measured by
 ``scripts/bench/instructions.py`` (``results/bench/instructions.json``). The kernels read the rows'
@@ -145,13 +145,13 @@ def _segment(seg_ptr, s):
 
 @triton.jit
 def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
-          D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SIGNS: tl.constexpr = True):
+          D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SIGNS: tl.constexpr = True, RECOVER: tl.constexpr = True):
     """The keys ``(BLOCK, D_PAD)`` of one query head at tokens ``t`` as two parts: the kept entries at their channels
     (0 elsewhere, the stores' dtype) and, per token, the recovery scale (``f``, ``μ_t`` or ``sqrt(μ_t)``) with the
     pruned entries' signs ``S`` (±1 with signs, 1 without, 0 at kept entries; bfloat16, exact): the rebuilt key is
     ``k + scale · S ∘ a``. ``a``: its segment's table row (:func:`_segment`, scalars); from token ``split`` on, a
     second segment of dense keys (ThinK's recent tokens: every channel kept) at ``b_kept`` (its first token
-    ``b_off``).
+    ``b_off``). Without ``RECOVER`` (a layout whose pruned entries read as 0) only the kept entries are read.
 
     A channel's rank among the token's kept entries comes from the mask read as 32-bit words: ``x = word << (31 − c
     mod 32)`` holds the word's bits up to ``c`` (its top bit: ``c`` kept), so ``rank + kept = popc(x) +`` the kept
@@ -189,6 +189,8 @@ def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.con
                     b_kept + (t.to(tl.int64) - b_off) * (D * ESIZE) - ESIZE)
     k = tl.load(rows.to(tl.pointer_type(ELEM), bitcast=True)[:, None] + upto, mask=both & kept, other=0.0)
     pruned = both & ~kept
+    if not RECOVER:
+        return k, tl.zeros((BLOCK_T,), tl.float32), tl.zeros((BLOCK_T, D_PAD), tl.bfloat16)
     if (mode == 1) | (mode == 2):
         mu = tl.load((mu_addr + local * ESIZE).to(tl.pointer_type(ELEM), bitcast=True), mask=live & first,
                      other=0.0).to(tl.float32)
@@ -260,20 +262,25 @@ def _online(m_i, l_i, acc, s, v, DOT: tl.constexpr = True):
 @triton.jit
 def _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM: tl.constexpr,
                    ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                   SIGNS: tl.constexpr):
+                   SIGNS: tl.constexpr, RECOVER: tl.constexpr = True):
     """Member ``m``'s logits from its compact keys (AdaKV validity applied) into its rows of ``s``. bfloat16 stores
     (``qs``: the queries' and ``q ∘ a``'s bfloat16 splits, :func:`_split3`): ``q · k̃ = q · k + scale · (q ∘ a) · S``
     on the tensor cores (the kept entries and ``S`` are exact in bfloat16; float32 products and sums), no float32
-    key rebuilt; else the float32 keys and an FMA dot."""
+    key rebuilt; else the float32 keys and an FMA dot. Without ``RECOVER`` (pruned entries read as 0: ThinK, the
+    zero/none recoveries, AdaKV's dense rows) only ``q · k``."""
     qh = tl.load(heads + m)
     hrow = head_ptr + qh * 7
     b = seg_ptr + tl.load(hrow + 1) * 10  # (a second segment is a run of dense keys: FusedTables.layout)
     k, scale, sign = _keys(_segment(seg_ptr, tl.load(hrow)), tl.load(b + 2), tl.load(b), tl.load(hrow + 2), t, live,
-                           c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS)
+                           c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS, RECOVER)
     if ELEM == tl.bfloat16:
         q1, q2, q3, qa1, qa2, qa3 = qs
-        sr = _dot3(qa1, qa2, qa3, tl.trans(sign), tl.zeros((q.shape[0], BLOCK_T), tl.float32))
-        sm = _dot3(q1, q2, q3, tl.trans(k), scale[None, :] * sr)
+        init = tl.zeros((q.shape[0], BLOCK_T), tl.float32)
+        if RECOVER:
+            init = scale[None, :] * _dot3(qa1, qa2, qa3, tl.trans(sign), init)
+        sm = _dot3(q1, q2, q3, tl.trans(k), init)
+    elif not RECOVER:
+        sm = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
     else:
         aux = tl.load(aux_ptr + qh * D + c, mask=c < D, other=0.0)
         keys = k.to(tl.float32) + (scale[:, None] * sign.to(tl.float32)) * aux[None, :]  # (k = 0 / S = 0 apart)
@@ -331,15 +338,22 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     if VALIGN:
         offset = tl.multiple_of(offset, 16 // ESIZE)
     values = elem_ptr + offset
-    # the item's heads come ordered by kind (FusedTables.layout): dense keys with every token valid, compact keys
-    # without signs, with signs; each kind has its own member loop, specialised to it
+    # the item's heads come ordered by kind (FusedTables.layout): dense keys with every token valid; keys whose
+    # pruned entries read as 0 (no recovery term); compact keys with a recovery, without signs; with signs. Each kind
+    # has its own member loop, specialised to it
     n_dense = 0
+    n_bare = 0
     n_plain = 0
     for m in range(0, count):
         hrow = head_ptr + tl.load(list_ptr + list_start + m) * 7
-        mode_a = tl.load(seg_ptr + tl.load(hrow) * 10 + 8)
-        mode_b = tl.load(seg_ptr + tl.load(hrow + 1) * 10 + 8)
+        row_a = seg_ptr + tl.load(hrow) * 10
+        row_b = seg_ptr + tl.load(hrow + 1) * 10
+        mode_a = tl.load(row_a + 8)
+        mode_b = tl.load(row_b + 8)
+        bare_a = (mode_a == 3) | ((mode_a == 0) & (tl.load(row_a + 9) == 0))
+        bare_b = (mode_b == 3) | ((mode_b == 0) & (tl.load(row_b + 9) == 0))
         n_dense += ((mode_a == 3) & (mode_b == 3) & (tl.load(hrow + 3) == 0)).to(tl.int32)
+        n_bare += (bare_a & bare_b).to(tl.int32)
         n_plain += ((mode_a != 2) & (mode_b != 2)).to(tl.int32)
     for t0 in range(t_start, t_end, BLOCK_):
         t = t0 + tl.arange(0, BLOCK_).to(tl.int64)
@@ -359,7 +373,10 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
             else:
                 sm = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
             s = tl.where((member == m)[:, None] & live[None, :], sm, s)
-        for m in range(n_dense, n_plain):  # compact keys, no signs
+        for m in range(n_dense, n_bare):  # compact keys (or AdaKV validity), pruned entries 0
+            s = _member_scores(s, q, qs, member, m, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
+                               ELEM, ESIZE, D, D_PAD, BLOCK_, False, False)
+        for m in range(n_bare, n_plain):  # compact keys with a recovery, no signs
             s = _member_scores(s, q, qs, member, m, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
                                ELEM, ESIZE, D, D_PAD, BLOCK_, False)
         for m in range(n_plain, count):  # compact keys with signs (official recovery)
