@@ -2,11 +2,12 @@
 
 One launch per layer reads every stored byte once — a SparK row's kept entries, masks, μ and sign bits, a ThinK row's
 structured keys, an eviction-only row's dense keys, and the values — scores each block of keys against the queries,
-and keeps an online softmax with ``weights · values`` accumulated in float32. No ``(rows, heads, S)`` score tensor exists. Work is split over the sequence: one program per
-*work item* (a chunk of ``chunk`` tokens of one value tensor, for up to ``MEMBERS`` query heads that read it), so the
-grid is ``Σ ceil(tokens / chunk)`` over the value tensors, not segments × the longest. Each program writes its
-partial softmax ``(max, sum, Σ exp·v)`` per query row; a second small kernel merges the partials of each query head,
-adds its decoded tail (dense, causal among a suffix's own tokens) and normalises.
+and keeps an online softmax with ``weights · values`` accumulated in float32. No ``(rows, heads, S)`` score tensor
+exists. Work is split over the sequence: one program per *work item* (a chunk of ``chunk`` tokens of one value
+tensor, for up to ``MEMBERS`` query heads that read it), so the grid is ``Σ ceil(tokens / chunk)`` over the value
+tensors, not segments × the longest. Each program writes its partial softmax ``(max, sum, Σ exp·v)`` per query row; a
+second small kernel merges the partials of each query head, adds its decoded tail (dense, causal among a suffix's own
+tokens) and normalises.
 
 Per stored entry ``c`` of token ``t`` (modes of :data:`~spark_bench.storage.segments.MODES`), the rebuilt key is:
 kept → ``k_tc``; pruned, mode 0 → ``f · a_c``; mode 1 (paper degenerate) → ``μ_t · a_c``; mode 2 (official) →
@@ -18,7 +19,8 @@ once per program into three bfloat16 terms each (``q = q₁ + q₂ + q₃`` to f
 ``q · k̃ = Σᵢ qᵢ · K + scale_t · Σᵢ (q ∘ a)ᵢ · S`` with ``K`` the kept entries at their channels (0 where pruned) and
 ``S`` the pruned entries' signs (±1 official, 1 otherwise, 0 where kept) — both exact in bfloat16, every product
 exact in float32, accumulated in float32 (``tl.dot``); no float32 key is rebuilt. A kept channel's rank (its index
-among the token's kept entries) is counted from the mask read as 32-bit words (``POPC``), no scan over the channels.
+among the token's kept entries) is counted from the mask read as 32-bit words (``POPC``), no scan over the channels;
+the official recovery's signs (one bit per pruned entry, in pruned order) are read as one 32-bit window per mask word.
 float32 stores rebuild the float32 keys and use an FMA dot (``input_precision=DOT_PRECISION``).
 
 Rows sharing a value tensor (configs with the same eviction selection) are stacked into the rows of one program
@@ -26,13 +28,14 @@ Rows sharing a value tensor (configs with the same eviction selection) are stack
 sorted by kind (:class:`~spark_bench.storage.segments.FusedTables`), and each kind has its own member loop inside the
 token loop, specialised to it: dense keys (eviction only, a full row: rows of ``D`` channels loaded like the values),
 keys whose pruned entries read as 0 (ThinK, SparK's zero/none recoveries, AdaKV rows: no recovery term), compact keys
-with a recovery without signs (SparK's paper/constant recoveries), with signs (SparK's official recovery). A member's table row is read as scalars (L1-resident), never picked out of registers.
-Values (and dense keys) are addressed from the typed element pointer plus a 64-bit offset that the tables state is
-16-byte aligned (``VALIGN``): 16-byte loads. The machine code's instruction budget is measured by
-``scripts/bench/instructions.py`` (``results/bench/instructions.json``). The kernels read the rows'
-own tensors in place through 64-bit addresses in the tables (:class:`~spark_bench.storage.segments.FusedTables`):
-nothing is concatenated or copied. Every offset is 64-bit. ``head_dim`` is padded to a power of two inside the
-kernels (``D_PAD``, at least 32 in the partials kernel), so any multiple of 8 works. Logits and softmax are float32.
+with a recovery without signs (SparK's paper/constant recoveries), with signs (SparK's official recovery). A member's
+table row is read as scalars (L1-resident), never picked out of registers. Values (and dense keys) are addressed
+from the typed element pointer plus a 64-bit offset that the tables state is 16-byte aligned (``VALIGN``): 16-byte
+loads. The machine code's instruction budget is measured by ``scripts/bench/instructions.py``
+(``results/bench/instructions.json``). The kernels read the rows' own tensors in place through 64-bit addresses in
+the tables (:class:`~spark_bench.storage.segments.FusedTables`): nothing is concatenated or copied. Every offset is
+64-bit. ``head_dim`` is padded to a power of two inside the kernels (``D_PAD``, at least 32 in the partials kernel),
+so any multiple of 8 works. Logits and softmax are float32.
 
 Tests run it on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported)
 and compile every specialisation for sm_80/sm_90 ahead of time (``tests/test_gpu_compile.py``).
