@@ -27,6 +27,7 @@ from lm_eval.api.registry import register_model
 
 import spark_bench
 from spark_bench.engine.attention import compressed_attention_enabled
+from spark_bench.engine.fastpaths import FastPaths
 
 NAME = "spark-bench"
 
@@ -46,6 +47,7 @@ class SparkBenchLM(LM):
         self.lm = lm if lm is not None else spark_bench.load(str(pretrained), device=device or "auto", **overrides)
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.max_gen_toks = int(max_gen_toks)
+        self.checks = FastPaths()  # the evaluation is one run: each fast-path variant checked once over its requests
 
     @property
     def tokenizer_name(self) -> str:
@@ -71,7 +73,7 @@ class SparkBenchLM(LM):
             out = spark_bench.generate(self.model, compressed, max_new_tokens=max_new,
                                        eos_token_id=sorted(self.lm.stop_token_ids),
                                        stop_strings=until or None, tokenizer=self.tokenizer if until else None,
-                                       do_sample=bool(kwargs.pop("do_sample", False)), **kwargs)
+                                       do_sample=bool(kwargs.pop("do_sample", False)), checks=self.checks, **kwargs)
             text = self.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
             for stop in until:
                 text = text.split(stop)[0]
@@ -92,7 +94,7 @@ class SparkBenchLM(LM):
             compressed = spark_bench.compress(self.model, head, self.config)
             logits = [compressed.first_logits.float().reshape(1, -1)]
             if len(tail) > 1:
-                cache = compressed.as_cache(max_new_tokens=len(tail))
+                cache = compressed.as_cache(max_new_tokens=len(tail), checks=self.checks)
                 device = self.model.get_input_embeddings().weight.device
                 ids = torch.tensor([tail[:-1]], device=device)
                 positions = torch.arange(len(head), len(head) + len(tail) - 1, device=device)[None]

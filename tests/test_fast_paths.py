@@ -96,6 +96,26 @@ def test_a_call_given_no_record_is_a_run_of_its_own(monkeypatch, tiny_lm, tiny_p
     assert all(layer.fast_paths is batch.fast_paths for layer in batch.layers)
 
 
+def test_library_calls_given_one_record_check_once_and_fall_back_together(monkeypatch, tiny_lm, spark_log):
+    """spark_bench.generate over two calls with one record (checks=): a wrong kernel is caught and warned about once,
+    and both calls decode the tokens of the correct kernel; a press block holds one record for the caches it makes."""
+    import spark_bench
+
+    ids = torch.randint(100, 5000, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    context = spark_bench.compress(tiny_lm.model, ids, CONFIGS[2])
+    right = spark_bench.generate(tiny_lm.model, context, max_new_tokens=3)
+    real = dispatch.stack_apply
+    monkeypatch.setattr(dispatch, "stack_apply", lambda *a, **k: real(*a, **k) + 1.0)  # a wrong kernel
+    checks = FastPaths()
+    for _ in range(2):
+        assert torch.equal(spark_bench.generate(tiny_lm.model, context, max_new_tokens=3, checks=checks), right)
+    assert len([m for m in spark_log if "differs from its reference" in m]) == 1
+    assert checks.off == {"kernel": "C++ kernels (stacked, float32, D=16, one-token step)"}
+    with spark_bench.press(tiny_lm.model, "snapkv", budget=64) as pressed:
+        first = tiny_lm.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    assert first.fast_paths is pressed.checks
+
+
 @pytest.fixture
 def triton_on_cpu(monkeypatch):
     pytest.importorskip("triton")

@@ -24,10 +24,11 @@ throughput.
 A run's record is one :class:`FastPaths` object, passed down explicitly: a sweep
 (:func:`spark_bench.runner.run_sweep`) makes one and hands it to every decode batch and scoring pass of the run
 (``checks=`` / ``fast_paths=``), so each variant is checked once per run and a fallback holds for the rest of it;
-``scripts/gpu/check.py`` makes one for the check. A call given none (a library call: :func:`spark_bench.generate`,
+``scripts/gpu/check.py`` makes one for the check, a :func:`spark_bench.press` block and the lm-eval model
+(:mod:`spark_bench.lm_eval_model`) one each. A call given none (:func:`spark_bench.generate`,
 :func:`~spark_bench.engine.decode.decode_rows`, a :class:`~spark_bench.engine.cache.BatchedCache`) is a run of its
-own with a new record: no state is kept between calls or shared across a process. A caller of those that wants one
-record over several calls passes the same object to each.
+own with a new record: no state is kept between calls or shared across a process. A caller that wants one record
+over several calls passes the same object to each (``checks=``; ``fast_paths=`` for a cache).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from torch import nn
 
 from spark_bench.engine.attention import ATTENTION_NAME, CACHE_ATTRIBUTE, compressed_attention_enabled
 from spark_bench.engine.cache import BatchedCache, CompressedCache, store_device
+from spark_bench.engine.fastpaths import FastPaths
 from spark_bench.engine.prefill import attention_modules, model_key
 
 
@@ -98,13 +99,16 @@ class CompressedContext:
         ids = list(self.input_ids)
         return ids if self.suffix else ids + [self.first_token]
 
-    def as_cache(self, rows: int = 1, max_new_tokens: int = 256, stack: bool = True) -> "SparkCache":
+    def as_cache(self, rows: int = 1, max_new_tokens: int = 256, stack: bool = True,
+                 checks: FastPaths | None = None) -> "SparkCache":
         """A fresh :class:`SparkCache` over this context's stores (``rows`` rows reading them, nothing copied) for
         ``model.generate(context.continuation_ids(), past_key_values=cache)`` or a ``model(...)`` loop on a model
-        whose attention is ``spark_bench``. A cache is used up by one generation; the context is not."""
+        whose attention is ``spark_bench``. A cache is used up by one generation; the context is not. ``checks``:
+        the fast-path record its attention checks against (:mod:`~spark_bench.engine.fastpaths`; default: its own)."""
         if rows < 1:
             raise ValueError(f"rows={rows}: a cache needs at least one row")
-        return SparkCache([self.cache] * rows, len(self.suffix) + 1 + max_new_tokens, seen=self.end, stack=stack)
+        return SparkCache([self.cache] * rows, len(self.suffix) + 1 + max_new_tokens, seen=self.end, stack=stack,
+                          fast_paths=checks)
 
     def save(self, path) -> "Path":
         """Write the compact stores to ``path`` (safetensors; :mod:`spark_bench.engine.saved`)."""
@@ -133,12 +137,13 @@ class SparkCache(BatchedCache):
 
     ``seen``: the uncompressed length of the compressed part (what :meth:`get_seq_length` reports first, so
     positions continue from the uncompressed prompt, as the harness decodes); ``replay``: ``(R, V)`` logits to
-    replay for the prompt's last token (the module docstring; only :func:`generate` sets it, with its hook).
+    replay for the prompt's last token (the module docstring; only :func:`generate` sets it, with its hook);
+    ``fast_paths``: the run's record of its fast paths (:class:`~spark_bench.engine.cache.BatchedCache`).
     """
 
     def __init__(self, caches: list[CompressedCache], capacity: int, seen: int, replay: torch.Tensor | None = None,
-                 stack: bool = True):
-        super().__init__(caches, capacity, stack, consume=False)
+                 stack: bool = True, fast_paths: FastPaths | None = None):
+        super().__init__(caches, capacity, stack, consume=False, fast_paths=fast_paths)
         self.seen = seen
         self.replay = replay
         self.store_bytes = sum({id(c): c.nbytes() for c in caches}.values())  # each context once
@@ -275,7 +280,8 @@ def _ids_of(input_ids) -> list[int]:
 
 @torch.no_grad()
 def generate(model: nn.Module, contexts: CompressedContext | list[CompressedContext],
-             input_ids: torch.Tensor | list[int] | None = None, stack: bool = True, **generate_kwargs):
+             input_ids: torch.Tensor | list[int] | None = None, stack: bool = True, checks: FastPaths | None = None,
+             **generate_kwargs):
     """``model.generate`` continued from compressed contexts, one row per context; returns what ``model.generate``
     returns (the sequences: ``input_ids`` then the new tokens, per row).
 
@@ -286,6 +292,9 @@ def generate(model: nn.Module, contexts: CompressedContext | list[CompressedCont
     ...); ``num_return_sequences=k`` reads each context's stores from k rows (nothing copied); beam search and
     assisted decoding are refused. ``stack`` (default, as the harness): the rows a compact kernel serves share one
     kernel call per layer (:class:`~spark_bench.engine.cache.BatchedLayer`); ``False``: each row on its own.
+    ``checks``: the fast-path record (:mod:`~spark_bench.engine.fastpaths`; default: a new one, the call a run of its
+    own): pass one :class:`~spark_bench.engine.fastpaths.FastPaths` to several calls to check each variant once
+    over them and keep a fallback.
 
     Contexts of *different* prompts (a batch of :func:`spark_bench.compress` calls) decode together through the
     harness's greedy decoder, each row with its own positions and stop tokens (``max_new_tokens``,
@@ -303,7 +312,7 @@ def generate(model: nn.Module, contexts: CompressedContext | list[CompressedCont
         raise ValueError("num_beams: compressed contexts support greedy decoding and sampling "
                          "(num_return_sequences=k), not beam search or assisted decoding")
     if input_ids is None and any(c.input_ids != first.input_ids for c in contexts):
-        return _generate_apart(model, contexts, stack, generate_kwargs)
+        return _generate_apart(model, contexts, stack, generate_kwargs, checks)
     ids = list(first.input_ids) if input_ids is None else _ids_of(input_ids)
     for c in contexts:
         if c.end != first.end or tuple(c.input_ids[:c.end]) != tuple(ids[:first.end]):
@@ -323,7 +332,7 @@ def generate(model: nn.Module, contexts: CompressedContext | list[CompressedCont
     batch = torch.tensor([ids] * len(contexts), device=device)
     cache = SparkCache([c.cache for c in rows],
                        len(ids) - first.end + generation_capacity(model, len(ids), generate_kwargs),
-                       seen=first.end, replay=replay, stack=stack)
+                       seen=first.end, replay=replay, stack=stack, fast_paths=checks)
     with generation_switched_on(model, cache):
         return model.generate(batch, past_key_values=cache, use_cache=True, **generate_kwargs)
 
@@ -331,7 +340,8 @@ def generate(model: nn.Module, contexts: CompressedContext | list[CompressedCont
 GREEDY_KEYS = {"max_new_tokens", "min_new_tokens", "eos_token_id", "do_sample", "pad_token_id"}
 
 
-def _generate_apart(model: nn.Module, contexts: list[CompressedContext], stack: bool, kwargs: dict) -> list:
+def _generate_apart(model: nn.Module, contexts: list[CompressedContext], stack: bool, kwargs: dict,
+                    checks: FastPaths | None) -> list:
     """Contexts of different prompts: the harness's batched greedy decoder (:func:`decode_rows`)."""
     from spark_bench.engine.decode import DecodeRow, decode_rows
 
@@ -346,5 +356,5 @@ def _generate_apart(model: nn.Module, contexts: list[CompressedContext], stack: 
     max_new = kwargs.get("max_new_tokens") or config.max_new_tokens or 20
     rows = [DecodeRow(c.cache, c.first_logits, c.end, max_new, stops, kwargs.get("min_new_tokens") or 0,
                       suffix=c.suffix) for c in contexts]
-    decode_rows(model, rows, stack=stack, graph=False)
+    decode_rows(model, rows, stack=stack, graph=False, checks=checks)
     return [torch.tensor(list(c.input_ids) + row.tokens) for c, row in zip(contexts, rows)]

@@ -26,6 +26,7 @@ from transformers import Cache
 
 from spark_bench.engine.attention import ATTENTION_NAME
 from spark_bench.engine.compress import compress_prefill, prefill_hooks, prefill_spec
+from spark_bench.engine.fastpaths import FastPaths
 from spark_bench.engine.generate import CompressedContext, SparkCache
 from spark_bench.engine.prefill import assemble_prefill, capture_window_queries, has_q_norm, model_key
 
@@ -38,10 +39,12 @@ _ACTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models inside a pre
 
 class Pressed:
     """What a :func:`pressed` block did: ``contexts``, one :class:`CompressedContext` per prefill it compressed
-    (the last is ``context``), with their bytes, times and key ratio."""
+    (the last is ``context``), with their bytes, times and key ratio; ``checks``: the block's fast-path record (a
+    run: every cache the block hands out checks each variant once, :mod:`~spark_bench.engine.fastpaths`)."""
 
     def __init__(self):
         self.contexts: list[CompressedContext] = []
+        self.checks = FastPaths()
 
     @property
     def context(self) -> CompressedContext | None:
@@ -91,7 +94,7 @@ def pressed(model: nn.Module, pipeline: Pipeline):
         context = compress_prefill(prefill, pipeline, ids, len(ids), {})
         context.model_key = model_key(model)
         record.contexts.append(context)
-        output.past_key_values = SparkCache([context.cache], FIRST_CAPACITY, seen=len(ids))
+        output.past_key_values = SparkCache([context.cache], FIRST_CAPACITY, seen=len(ids), fast_paths=record.checks)
         return output
 
     handles = [model.register_forward_pre_hook(before, with_kwargs=True),
