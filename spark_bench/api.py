@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from spark_bench.benchmarks.base import Prompt, Sample, encode_prompt
 from spark_bench.checks import CONF_DIR, protocol_options, resolve_device
 from spark_bench.engine.compress import compress_prefill, prefill_for
+from spark_bench.engine.fastpaths import FastPaths
 from spark_bench.engine.fidelity import ForcedRow, forced_log_probs, mean_nll
 from spark_bench.engine.generate import CompressedContext, SparkCache, check_contexts, check_vocabulary
 from spark_bench.engine.generate import generate as _generate
@@ -255,7 +256,8 @@ def ask(model: torch.nn.Module, context, questions: list, config: MethodConfig |
     are the new token ids, decoded when a ``tokenizer`` is given. ``return_context``: also return the compressed
     context, ``(answers, context)``, so a second round of questions costs no prefill. ``references``: one reference
     answer per question (text with ``tokenizer``, or token ids): each answer comes back as ``(answer, nll)``, ``nll``
-    the reference's :func:`answer_nll` after that question. ``generate_kwargs`` go to ``model.generate``."""
+    the reference's :func:`answer_nll` after that question. ``generate_kwargs`` go to ``model.generate`` (``checks``:
+    the fast-path record, :mod:`spark_bench.engine.fastpaths`; default: one for this call's questions)."""
     if isinstance(questions, (str, bytes)) or not isinstance(questions, (list, tuple)) or not questions:
         raise ValueError("questions: ask takes a non-empty list of questions")
     texts = [q for q in questions if isinstance(q, str)]
@@ -297,6 +299,7 @@ def ask(model: torch.nn.Module, context, questions: list, config: MethodConfig |
         compressed = compress(model, head, replace(config, compress_scope="context"))
         compressed.source = source
     answers = []
+    generate_kwargs.setdefault("checks", FastPaths())  # one run: each variant checked once over the questions
     for k, ids in enumerate(full):
         out = _generate(model, compressed, input_ids=ids, **generate_kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
