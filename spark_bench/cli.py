@@ -123,6 +123,7 @@ def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[Met
     scopes = {c.compress_scope for c in configs}
     prompt, new = plan.run_bounds(cfg, model_cfg, tasks, scopes, samples)
     suffix, graph = plan.suffix_bound(cfg, model_cfg, tasks, scopes, samples), bool(cfg.get("decode_graph", True))
+    answer = plan.answer_bound(cfg, model_cfg, tasks, scopes, samples)
     limit = cfg.memory.get("limit_gib")
     if limit is None:
         absent = [d.name for d in devices if d.name.startswith("cuda") and not cuda_exists(d.name)]
@@ -132,10 +133,10 @@ def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[Met
     limits = {d.name: int(limit * memory.GIB) if limit is not None else free_memory(d.name) for d in devices}
     prediction, over = memory.choose_decode_batch(model_cfg, configs, prompt, new, cfg.get("decode_batch"),
                                                   cfg.get("decode_samples", 1), devices, limits, baseline, suffix,
-                                                  graph)
+                                                  graph, answer)
     if over and not cfg.memory.get("check", True):  # run anyway, as configured
         return memory.predict_run(model_cfg, configs, prompt, new, cfg.get("decode_batch"),
-                                  cfg.get("decode_samples", 1), devices, baseline, suffix, graph)
+                                  cfg.get("decode_samples", 1), devices, baseline, suffix, graph, answer)
     if over:
         device, room = over[0]
         what = "memory.limit_gib" if limit is not None else "free"

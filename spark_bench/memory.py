@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from spark_bench.engine.fidelity import KL_TOKENS
 from spark_bench.engine.prefill import LayerPrefill, Prefill
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.eviction.adasnapkv import AdaSnapKV
@@ -314,6 +315,8 @@ class Footprint:
     holds_prefill: bool  # the prefill is alive while the batch decodes
     baseline: int = 0    # CPU: the process's resident memory when predicted (what the measured peak starts from)
     check_work: int = 0  # the run-time check of a kernel variant: one row's keys and values rebuilt in float32
+    fidelity: int = 0    # the teacher-forced fidelity pass after decoding, one row at a time: its tails, one layer's
+    # temporaries, its logits and log-probabilities (engine/fidelity.py; the decode tail is gone by then)
     overhead: int = 0    # CPU: runtime and allocator overhead the resident set holds besides the tensors
     graph_pool: int = 0  # CUDA: the captured step's private memory pool (its temporaries, not reusable eagerly)
     workspace: int = 0   # CUDA: cuBLAS/cuBLASLt workspaces and the runtime's modules loaded after the check
@@ -324,7 +327,8 @@ class Footprint:
         held = self.prefill_kv if self.holds_prefill else 0
         return {"prefill": self.prefill_kv + self.prefill_work,
                 "compression": self.prefill_kv + self.memo + self.caches + self.compress_work,
-                "decode": held + self.caches + self.tail + max(self.step_work, self.check_work)}
+                "decode": held + self.caches + self.tail + max(self.step_work, self.check_work),
+                "fidelity": held + self.caches + self.fidelity}
 
     @property
     def peak(self) -> int:
@@ -355,6 +359,8 @@ class Footprint:
                     f" + prefill work {self.prefill_work / GIB:.2f}" if moment == "prefill" else
                     f" + scores {self.memo / GIB:.2f} + caches {self.caches / GIB:.2f} + work "
                     f"{self.compress_work / GIB:.2f}" if moment == "compression" else
+                    f" (held: {self.holds_prefill}) + caches {self.caches / GIB:.2f} + fidelity pass "
+                    f"{self.fidelity / GIB:.2f}" if moment == "fidelity" else
                     f" (held: {self.holds_prefill}) + caches {self.caches / GIB:.2f} + tail {self.tail / GIB:.2f}"
                     + step) + margin)
 
@@ -423,13 +429,16 @@ def _row_groups(configs: list[MethodConfig], arch: Arch, seq_len: int, dtype: st
 
 def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: int, new_tokens: int,
                 decode_batch: int | None, decode_samples: int, devices: list[Device] | None = None,
-                baseline: int = 0, suffix: int | None = None, graph: bool = True) -> RunPrediction:
+                baseline: int = 0, suffix: int | None = None, graph: bool = True,
+                answer: int | None = None) -> RunPrediction:
     """The peak of a run of ``configs`` (``decode_samples`` samples per decode group, ``decode_batch`` rows per
     batch, None = all) on prompts of at most ``prompt_tokens`` tokens and at most ``new_tokens`` decoded ones
     (suffixes included), on ``devices`` (default: one device with every layer). ``baseline``: resident bytes
     already held (CPU). ``suffix``: the most tokens a row runs through its cache in one forward before decoding
     (:func:`~spark_bench.plan.suffix_bound`; None: ``new_tokens`` when a config compresses less than the prompt).
     ``graph``: decode steps may be captured in CUDA graphs (``decode_graph``; their pool is in the margin).
+    ``answer``: the most reference-answer tokens the fidelity pass feeds (:func:`~spark_bench.plan.answer_bound`;
+    None: the decoded tokens, ``new_tokens − suffix``).
 
     Besides the tensors, per CUDA device: the run-time check of each kernel variant (:data:`check_work`, at the
     decode moment), and a margin the start-up check adds (:attr:`Footprint.needed`): the captured step's pool (its
@@ -442,7 +451,8 @@ def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: 
     rows_total = len(configs) * decode_samples
     batch = min(decode_batch or rows_total, rows_total)
     devices = devices or [Device("cpu", int(arch.num_params * e), lay)]
-    # the worst batch: the rows of the plan (sample-major, config order) in chunks of `batch`
+    # the worst batch: the rows of the plan (sample-major, config order) in chunks of `batch`; a batch's caches go
+    # once its rows' fidelity passes are done (runner.run_samples)
     plan_rows = [(k, c) for k in range(decode_samples) for c in configs]
     worst = 0
     for start in range(0, len(plan_rows), batch):
@@ -472,6 +482,18 @@ def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: 
     work = step_work(arch, batch, s, capacity, e, loose, ada, suffix)
     logits = 2 * batch * arch.vocab_size * 4
     check = check_work(arch, s, suffix) if any(store_bytes(c, arch, model.dtype).stacks for c in configs) else 0
+    # the teacher-forced fidelity pass (engine/fidelity.py): one forward per row, its two continuations (the suffix
+    # run again, then the reference answer or KL_TOKENS of the full row's tokens): their tails, one layer's
+    # temporaries with that many query rows and the hidden states read; one continuation's logits at a time (model
+    # dtype, float32, log-probabilities); the KL's temporaries and each open sample's full-row log-probabilities
+    forced = 2
+    keep = max(capacity - suffix if answer is None else answer, KL_TOKENS)  # positions read per continuation
+    steps = suffix + keep
+    forced_work = step_work(arch, forced, s, steps, e, min(loose, forced), min(ada, forced), steps)
+    forced_bytes = forced * lay * 2 * h * steps * d * e + forced * keep * arch.hidden_size * e
+    open_samples = min(decode_samples, -(-batch // len(configs)) + 1)  # each keeps its full row's log-probabilities
+    forced_logits = keep * arch.vocab_size * (e + 4 * (e < 4) + 4) + (open_samples + 3) * KL_TOKENS * \
+        arch.vocab_size * 4
     cuda = [dev for dev in devices if dev.name.startswith("cuda") and dev.layers]
     graphed = graph and loose == 0 and len(cuda) == 1  # decode.StepGraph: every row stacked, one device
     out = []
@@ -483,7 +505,9 @@ def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: 
             dev.name, dev.layers, dev.weights, int(f * prefill_kv),
             (prefill_work(arch, s, e, stats) if dev.layers else 0) + int(f * captured), int(f * memo), int(f * worst),
             compress_work if dev.layers else 0, int(f * tail), step, holds,
-            baseline if dev.name == "cpu" else 0, check if dev.layers else 0)
+            baseline if dev.name == "cpu" else 0, check if dev.layers else 0,
+            fidelity=int(f * forced_bytes) + (forced_work[on_cuda] if dev.layers else 0)
+            + (forced_logits if dev.last else 0))
         if on_cuda:
             footprint = dataclasses.replace(
                 footprint, graph_pool=step if graphed and dev in cuda else 0, workspace=CUDA_WORKSPACE,
@@ -533,14 +557,14 @@ def over_limit(prediction: RunPrediction, limits: dict[str, int]) -> list[tuple[
 
 def choose_decode_batch(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: int, new_tokens: int,
                         decode_batch: int | None, decode_samples: int, devices: list[Device], limits: dict[str, int],
-                        baseline: int = 0, suffix: int | None = None,
-                        graph: bool = True) -> tuple[RunPrediction, list[tuple[Footprint, int]]]:
+                        baseline: int = 0, suffix: int | None = None, graph: bool = True,
+                        answer: int | None = None) -> tuple[RunPrediction, list[tuple[Footprint, int]]]:
     """The prediction for ``decode_batch`` rows per batch when the user set it; else for the largest batch whose
     prediction plus margin (:attr:`Footprint.needed`) fits ``limits`` (bytes per device). Also the devices that do
     not fit (empty: it fits)."""
     def at(batch: int) -> tuple[RunPrediction, list]:
         prediction = predict_run(model, configs, prompt_tokens, new_tokens, batch, decode_samples, devices, baseline,
-                                 suffix, graph)
+                                 suffix, graph, answer)
         return prediction, over_limit(prediction, limits)
 
     rows = len(configs) * decode_samples

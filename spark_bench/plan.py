@@ -112,7 +112,7 @@ def run_bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samp
     ``benchmark.length`` and LongBench's at most its truncation limit plus :data:`TEMPLATE_TOKENS`. The second
     number bounds the decoded tokens plus the suffix the ``scopes`` (the configs' ``compress_scope``) run through
     the cache (:func:`suffix_bound`)."""
-    prompt, new, suffix = _bounds(cfg, model, tasks, scopes, samples)
+    prompt, new, suffix, _ = _bounds(cfg, model, tasks, scopes, samples)
     return prompt, new + suffix
 
 
@@ -123,7 +123,16 @@ def suffix_bound(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], sa
     return _bounds(cfg, model, tasks, scopes, samples)[2]
 
 
-def _bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samples=None) -> tuple[int, int, int]:
+def answer_bound(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samples=None) -> int:
+    """The most reference-answer tokens the fidelity pass feeds a sample's caches (:mod:`spark_bench.engine.fidelity`):
+    on ``samples`` (or exported ones), each reference's UTF-8 bytes, capped at its ``max_new_tokens`` (a token covers
+    at least one byte; :func:`~spark_bench.benchmarks.reference.reference_ids` caps it there); else the most tokens
+    a sample decodes."""
+    return _bounds(cfg, model, tasks, scopes, samples)[3]
+
+
+def _bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str],
+            samples=None) -> tuple[int, int, int, int]:
     from spark_bench.benchmarks.longbench import truncation_limit
 
     if samples is None and cfg.benchmark.get("data_file"):
@@ -131,11 +140,14 @@ def _bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samples
 
         samples = read_samples(cfg.benchmark.data_file)
     if samples is not None:
+        from spark_bench.benchmarks.reference import reference_text
+
         if not samples:
-            return 1, 1, 0
+            return 1, 1, 0, 0
         suffix = max([0] + [len(s.input_ids) - s.scope_end(scope) for s in samples for scope in scopes
                             if scope == "prompt" or getattr(s, f"{scope}_end") is not None])
-        return max(len(s.input_ids) for s in samples), max(s.max_new_tokens for s in samples), suffix
+        answer = max(min(s.max_new_tokens, len(reference_text(s).encode())) for s in samples)
+        return max(len(s.input_ids) for s in samples), max(s.max_new_tokens for s in samples), suffix, answer
     if cfg.benchmark.name == "longbench":
         work = longbench_work(cfg)
         prompt = truncation_limit(model, cfg.longbench.get("max_length")) + TEMPLATE_TOKENS
@@ -144,7 +156,8 @@ def _bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samples
         prompt = int(cfg.benchmark.length)
     suffix = (TEMPLATE_TOKENS + QUESTION_TOKENS if "context" in scopes else
               TEMPLATE_TOKENS if "question" in scopes else 0)
-    return prompt, max(w.new_tokens for w in work), suffix
+    new = max(w.new_tokens for w in work)
+    return prompt, new, suffix, new
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from spark_bench.benchmarks.metrics import score
 from spark_bench.engine.clock import mapped_large_blocks, peak_memory, reset_peak, return_freed_memory
 from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.engine.fastpaths import FastPaths
-from spark_bench.engine.fidelity import Fidelity, ForcedRow, measure
+from spark_bench.engine.fidelity import ForcedRow, measure
 from spark_bench.benchmarks.reference import reference_ids
 from spark_bench.engine.prefill import Prefill
 from spark_bench.methods import MethodConfig, Pipeline
@@ -75,46 +75,45 @@ def _build_row(lm: LoadedModel, sample: Sample, pipeline: Pipeline, prefill: Pre
     return row, (context.compress_s, context.kv_bytes, context.key_ratio)
 
 
-def _fidelity(lm: LoadedModel, sample: Sample, rows: list[DecodeRow], pipelines: list[Pipeline],
-              full_tokens: list[int] | None, stack: bool, checks: FastPaths) -> list[Fidelity]:
-    """The sample's three fidelity numbers per row (:mod:`spark_bench.engine.fidelity`), every config of the sweep
-    in one teacher-forced pass (so a row's numbers do not depend on which rows were decoded in this process)."""
-    full = next((k for k, p in enumerate(pipelines) if p.config.name == "full"), None)
-    greedy = full_tokens if full_tokens is not None else rows[full].tokens if full is not None else []
-    forced = [ForcedRow(r.cache, r.first_logits, r.position, tuple(r.suffix), []) for r in rows]
-    return measure(lm.model, forced, reference_ids(sample, lm.tokenizer), full, greedy, stack, checks=checks)
+def _forced(row: DecodeRow) -> ForcedRow:
+    """A decoded row as the fidelity pass teacher-forces it (the continuation is set there)."""
+    return ForcedRow(row.cache, row.first_logits, row.position, tuple(row.suffix), [])
 
 
 def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                 decode_batch: int | None = None, decode_stack: bool = True,
-                decode_graph: bool = True, sweep: list[Pipeline] | None = None,
+                decode_graph: bool = True, full: Pipeline | None = None,
                 full_tokens: dict | None = None, checks: FastPaths | None = None) -> list[list[Prediction]]:
     """Prefill each sample once, compress it under each of its pipelines and decode all the compressed caches
     together — ``decode_batch`` rows per batch (None: every row of ``work`` in one batch; 1: one at a time) — then
-    score, and measure each row's fidelity (``answer_nll``, ``kl_full``, ``agree_full``) in one teacher-forced pass
-    over the sample's caches. One list of predictions per sample, in pipeline order; the tokens do not depend on the
-    batching.
+    score, and measure each row's fidelity (``answer_nll``, ``kl_full``, ``agree_full``) teacher-forced through its
+    cache right after its batch decodes (one forward per row, :func:`~spark_bench.engine.fidelity.measure`), after
+    which its cache is released. One list of predictions per sample, in pipeline order; neither the tokens nor the
+    fidelity numbers depend on the batching.
 
     A sample is prefilled when its first row is built and its prefill is dropped once its last row is built, so
     joining several samples in one batch holds their compressed caches, not their prefills (a ``full`` row's cache
-    is the prefill's own keys and values). A sample's caches are kept until its fidelity pass, after its last row
-    has decoded (decoding reads them through its stacks, :class:`~spark_bench.engine.cache.BatchedLayer`).
-    ``decode_stack``: stack rows of the kinds a compact kernel serves; the tokens do not depend on it.
-
-    ``sweep``: every pipeline of the sweep (default: each sample's own); the fidelity pass runs all of them, so a
-    sample resumed with some configs already done (``repair``) gets the numbers of a whole run: the done configs are
-    compressed again (not decoded) and ``full_tokens`` (sample id → the done full row's tokens) gives the full
-    cache's continuation. ``checks``: the run's record of its fast paths (:mod:`~spark_bench.engine.fastpaths`;
+    is the prefill's own keys and values). A sample's full-cache row (``full``: the sweep's full pipeline; None:
+    the one among the samples' pipelines, if any) is planned first among its rows, so the full cache's distributions along its greedy tokens —
+    the ``(positions, vocabulary)`` log-probabilities each row's ``kl_full`` compares with — are known before any
+    other row's pass; they are kept until the sample's last row. A sample resumed with its full row already done
+    builds the full cache again for its first pass (not decoded): ``full_tokens`` (sample id → the done full row's
+    tokens) gives its continuation. ``decode_stack``: stack rows of the kinds a compact kernel serves; the tokens
+    do not depend on it. ``checks``: the run's record of its fast paths (:mod:`~spark_bench.engine.fastpaths`;
     default: a new one), each checked at its first use by the decode batches and fidelity passes alike."""
     checks = FastPaths() if checks is None else checks
-    plan = [(i, pipeline) for i, (_, pipelines) in enumerate(work) for pipeline in pipelines]
+    if full is None:  # a library call: the full pipeline among the samples' own, if any
+        full = next((p for _, pipelines in work for p in pipelines if p.config.name == "full"), None)
+    first_full = (lambda p: p is not full) if full is not None else (lambda p: False)
+    plan = [(i, pipeline) for i, (_, pipelines) in enumerate(work) for pipeline in sorted(pipelines, key=first_full)]
     last = {i: k for k, (i, _) in enumerate(plan)}  # the plan index of each sample's last row
     size = decode_batch or len(plan)
     prefills: dict[int, Prefill] = {}  # sample index → its prefill, while some of its rows are still to be built
     selections: dict = {}  # sample index → {compressed prefix: token selections shared by its configs}
     facts: dict = {}       # sample index → (prompt length, dense KV bytes, prefill seconds)
-    held: dict = {}        # sample index → {pipeline label: row}, until its fidelity pass
-    done_rows: dict = {}   # sample index → [(pipeline, measured, row, peak)] decoded so far
+    rebuilt: dict = {}     # sample index → its full row built again (resumed with the full row done), for its pass
+    compared: dict = {}    # sample index → (the full row's greedy tokens, their log-probabilities) or None
+    done_rows: dict = {}   # sample index → [(pipeline, measured, row, peak, fidelity)] so far
     out: list[list[Prediction]] = [[] for _ in work]
     for first in range(0, len(plan), size):
         chunk = plan[first:first + size]
@@ -124,36 +123,50 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
             for k, (i, pipeline) in enumerate(chunk, first):
                 sample = work[i][0]
                 if i not in prefills:
-                    prefills[i] = _prefill(lm, sample, sweep or work[i][1])
+                    again = full is not None and full not in work[i][1]
+                    prefills[i] = _prefill(lm, sample, work[i][1] + [full] * again)
                     facts[i] = (prefills[i].prompt_length, prefills[i].dense_kv_bytes(), prefills[i].seconds)
-                    todo = {p.label for p in work[i][1]}
-                    held[i] = {p.label: _build_row(lm, sample, p, prefills[i], selections.setdefault(i, {}))[0]
-                               for p in sweep or [] if p.label not in todo}  # done configs: for the pass only
+                    if again:
+                        rebuilt[i] = _build_row(lm, sample, full, prefills[i], selections.setdefault(i, {}))[0]
                 row, measured = _build_row(lm, sample, pipeline, prefills[i], selections.setdefault(i, {}))
                 rows.append(row)
                 built.append(measured)
-                held[i][pipeline.label] = row
                 if k == last[i]:
                     del prefills[i], selections[i]
         return_freed_memory()  # what compression freed, before decoding allocates its tail
         decode_rows(lm.model, rows, stack=decode_stack, release=False, graph=decode_graph, checks=checks)
-        finished = {}  # the fidelity numbers (by label) of the samples whose last row was in this batch
-        for k, (i, _) in enumerate(chunk, first):
-            if k == last[i]:
-                everyone, mine = sweep or work[i][1], held.pop(i)
-                finished[i] = dict(zip([p.label for p in everyone], _fidelity(
-                    lm, work[i][0], [mine[p.label] for p in everyone], everyone,
-                    (full_tokens or {}).get(work[i][0].id), decode_stack, checks)))
+        fidelity = []
+        for i in dict.fromkeys(i for i, _ in chunk):  # per sample in this batch, its rows' pass
+            mine = [(k, p) for k, (j, p) in enumerate(chunk) if j == i]
+            forced = [_forced(rows[k]) for k, _ in mine]
+            sample, known = work[i][0], compared.get(i)
+            if i not in compared and full is not None:  # the sample's first pass: the full row is its first
+                at = 0 if mine[0][1] is full else len(forced)
+                if at:
+                    forced.append(_forced(rebuilt.pop(i)))
+                greedy = rows[mine[0][0]].tokens if not at else full_tokens[sample.id]
+                numbers, log_probs = measure(lm.model, forced, reference_ids(sample, lm.tokenizer), greedy, full=at,
+                                             stack=decode_stack, checks=checks)
+                compared[i] = (greedy, log_probs)
+            else:
+                greedy, log_probs = known or ([], None)
+                numbers, _ = measure(lm.model, forced, reference_ids(sample, lm.tokenizer), greedy,
+                                     full_log_probs=log_probs, stack=decode_stack, checks=checks)
+            fidelity += [(k, f) for (k, _), f in zip(mine, numbers)]
+        fidelity = [f for _, f in sorted(fidelity, key=lambda x: x[0])]
+        for row in rows:
+            row.cache = None  # the batch's caches go once its passes are done
         peak = peak_memory(lm.devices)  # the batch's prefills, compression, decoding and teacher-forced passes
-        for k, ((i, pipeline), measured, row) in enumerate(zip(chunk, built, rows), first):
-            done_rows.setdefault(i, []).append((pipeline, measured, row, peak))
+        for k, ((i, pipeline), measured, row, f) in enumerate(zip(chunk, built, rows, fidelity), first):
+            done_rows.setdefault(i, []).append((pipeline, measured, row, peak, f))
             if k != last[i]:
                 continue
             sample, (length, dense_bytes, prefill_s) = work[i][0], facts.pop(i)
-            fidelity = finished[i]
-            for pipeline, (compress_s, kv_bytes, key_ratio), row, peak in done_rows.pop(i):
+            compared.pop(i, None)
+            order = {p.label: n for n, p in enumerate(work[i][1])}
+            for pipeline, (compress_s, kv_bytes, key_ratio), row, peak, f in sorted(
+                    done_rows.pop(i), key=lambda x: order[x[0].label]):
                 text = lm.tokenizer.decode(row.tokens, skip_special_tokens=True)
-                f = fidelity[pipeline.label]
                 out[i].append(Prediction(
                     config=pipeline.label, method=pipeline.config.to_dict(), task=sample.task, id=sample.id,
                     prompt_length=length, prediction=text, tokens=row.tokens, answers=list(sample.answers),
@@ -162,7 +175,6 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                     answer_nll=_stored(f.answer_nll), kl_full=_stored(f.kl_full), agree_full=_stored(f.agree_full),
                     kl_tokens=f.kl_tokens, prefill_s=prefill_s, compress_s=compress_s, decode_s=row.forward_s,
                     peak_mem_bytes=peak, warmup_s=row.warmup_s))
-                row.cache = None
     return out
 
 
@@ -213,13 +225,13 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
     new_tokens, decode_seconds = 0, 0.0
     checks = FastPaths() if checks is None else checks  # the run's record: its decode batches and scoring passes
     # check each variant once (passed down to each, engine/fastpaths.py)
-    full = next((p.label for p in pipelines if p.config.name == "full"), None)
+    full = next((p for p in pipelines if p.config.name == "full"), None)
     if full is None:  # an ordinary single-method run, not a fault: said at INFO (``-q`` stays silent), and in the table
         LOG.info(NO_FULL)
-    full_tokens = {s.id: done[s.id, full]["tokens"] for s, _ in work if (s.id, full) in done}
+    full_tokens = {s.id: done[s.id, full.label]["tokens"] for s, _ in work if full and (s.id, full.label) in done}
     for group in (work[i:i + decode_samples] for i in range(0, len(work), decode_samples)):
-        for sample_records in run_samples(lm, group, decode_batch, decode_stack, decode_graph, pipelines,
-                                          full_tokens, checks):
+        for sample_records in run_samples(lm, group, decode_batch, decode_stack, decode_graph, full, full_tokens,
+                                          checks):
             records = [p.__dict__ for p in sample_records]
             results.append(records)  # one durable append per sample
             for r in records:

@@ -37,10 +37,10 @@ def _plain_log_probs(model, ids, continuation):
 
 
 @torch.no_grad()
-def test_teacher_forced_nll_equals_a_plain_forward_on_a_dense_cache(tiny_lm, prompt):
+def test_teacher_forced_nll_equals_a_plain_forward_on_a_dense_cache(tiny_lm, prompt, monkeypatch):
     ids, prefill = prompt
     row = _row(prefill, MethodConfig(name="full"), {})
-    fidelity = measure(tiny_lm.model, [row], REFERENCE, 0, REFERENCE[:3])
+    fidelity, _ = measure(tiny_lm.model, [row], REFERENCE, REFERENCE[:3], full=0)
     plain = _plain_log_probs(tiny_lm.model, ids, REFERENCE)
     expected = -plain.gather(-1, torch.tensor(REFERENCE, device=plain.device).unsqueeze(-1)).mean()
     assert fidelity[0].answer_nll == pytest.approx(float(expected), abs=1e-4)
@@ -48,6 +48,14 @@ def test_teacher_forced_nll_equals_a_plain_forward_on_a_dense_cache(tiny_lm, pro
     forced = forced_log_probs(tiny_lm.model, [ForcedRow(row.cache, row.first_logits, row.position, (),
                                                          REFERENCE[:-1])])[0]
     torch.testing.assert_close(forced, plain, atol=1e-4, rtol=0)
+    # a model whose forward does more than its lm_head (a logit scale, a soft cap): the whole forward's logits
+    from spark_bench.engine import fidelity
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fidelity, "_output_head", lambda model: None)
+        whole = forced_log_probs(tiny_lm.model, [ForcedRow(row.cache, row.first_logits, row.position, (),
+                                                           REFERENCE[:-1])])[0]
+    torch.testing.assert_close(whole, forced, atol=1e-5, rtol=0)
     # with part of the prompt run through the cache as a suffix (compress_scope=question): the same numbers
     part = run_prefill(tiny_lm.model, ids, window=32, ends=(100,)).at(100, True)
     cache = Pipeline.from_config(MethodConfig(name="full")).build_cache(part)[0]
@@ -63,7 +71,7 @@ def test_full_gives_exactly_zero_and_one_and_lambda_zero_equals_its_base(tiny_lm
                MethodConfig(name="snapkv+think", budget=48, ratio=0.8)]
     rows = [_row(prefill, c, selections) for c in configs]
     greedy = [17, 2044, 9, 380, 4211]
-    full, snap, spark0, think = measure(tiny_lm.model, rows, REFERENCE, 0, greedy)
+    (full, snap, spark0, think), log_probs = measure(tiny_lm.model, rows, REFERENCE, greedy, full=0)
     assert (full.kl_full, full.agree_full, full.kl_tokens) == (0.0, 1.0, 6)  # 5 fed tokens: 6 positions
     assert spark0.answer_nll == pytest.approx(snap.answer_nll, abs=1e-6)
     assert spark0.kl_full == pytest.approx(snap.kl_full, abs=1e-6)
@@ -71,10 +79,14 @@ def test_full_gives_exactly_zero_and_one_and_lambda_zero_equals_its_base(tiny_lm
     assert think.kl_full > 0 and snap.kl_full > 0 and think.kl_full != snap.kl_full  # (a random tiny model)
     assert 0 <= think.agree_full <= 1 and think.answer_nll != full.answer_nll
     # no full row: only the answer NLL; the stacked and per-row paths agree
-    alone = measure(tiny_lm.model, rows[1:], REFERENCE, None, [], stack=False)
-    assert [f.kl_full for f in alone] == [None] * 3
+    alone, none = measure(tiny_lm.model, rows[1:], REFERENCE, [], stack=False)
+    assert [f.kl_full for f in alone] == [None] * 3 and none is None
     assert [f.answer_nll for f in alone] == pytest.approx([snap.answer_nll, spark0.answer_nll, think.answer_nll],
                                                           abs=1e-5)
+    # a later batch's rows against the full row's log-probabilities from an earlier call: the same numbers
+    later, _ = measure(tiny_lm.model, rows[2:], REFERENCE, greedy, full_log_probs=log_probs)
+    assert [(f.answer_nll, f.kl_full, f.agree_full, f.kl_tokens) for f in later] == \
+        [(f.answer_nll, f.kl_full, f.agree_full, f.kl_tokens) for f in (spark0, think)]
 
 
 def test_kl_and_agreement_are_the_textbook_ones():
@@ -98,7 +110,7 @@ def test_reference_text_follows_each_task_s_answer_form():
     assert reference_text(sample("qa_1", [], "string_match_part")) == ""
 
 
-def test_sweep_stores_them_beside_the_score_and_says_why_kl_is_empty(tiny_lm, tmp_path):
+def test_sweep_stores_them_beside_the_score_and_says_why_kl_is_empty(tiny_lm, tmp_path, caplog):
     from spark_bench.benchmarks.ruler import load_ruler
     from spark_bench.runner import run_sweep
 
@@ -129,6 +141,21 @@ def test_sweep_stores_them_beside_the_score_and_says_why_kl_is_empty(tiny_lm, tm
         tmp_path / "with" / "predictions.jsonl").read_text().splitlines())}
     assert all(r["answer_nll"] == pytest.approx(with_full[r["id"], r["config"]], abs=1e-5) for r in records)
     assert "KL full / Agree are empty: the sweep has no full config" in (tmp_path / "without" / "table.md").read_text()
+    # one row per decode batch (each batch's pass, its caches then released; the full row planned first): the same
+    # numbers, byte for byte; resumed with only the full rows done (the full cache built again for the pass): too
+    def numbers(run):
+        return {(r["id"], r["config"]): (r["answer_nll"], r["kl_full"], r["agree_full"], r["kl_tokens"])
+                for r in map(json.loads, (tmp_path / run / "predictions.jsonl").read_text().splitlines())}
+
+    whole = numbers("with")
+    run_sweep(tiny_lm, samples, configs[::-1], tmp_path / "split", progress=False, decode_batch=1)
+    resumed = tmp_path / "split" / "predictions.jsonl"
+    resumed.write_text("".join(line + "\n" for line in resumed.read_text().splitlines()
+                               if json.loads(line)["config"] == "Full"))
+    with caplog.at_level("INFO", logger="spark_bench.runner"):
+        run_sweep(tiny_lm, samples, configs[::-1], tmp_path / "split", progress=False, decode_batch=2)
+    assert "2 of 6 predictions already done" in caplog.text
+    assert numbers("split") == whole
 
 
 def test_library_answer_nll_ask_and_generate(tiny_lm, prompt):

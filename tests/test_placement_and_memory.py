@@ -130,14 +130,13 @@ def _peak_ratio(tmp_path, args):
 
 @pytest.mark.parametrize("args,bounds", [
     (["benchmark.length=2048", "benchmark.max_new_tokens=8"], (0.9, 1.1)),
-    (["model=tiny-llama", "benchmark.length=4096"], (0.85, 1.15)),
+    (["model=tiny-llama", "benchmark.length=4096"], (0.9, 1.1)),
 ], ids=["smollm2", "tiny-llama"])
 def test_predicted_peak_is_close_to_the_measured_one(tmp_path, args, bounds):
     """The peak resident set of a whole run (fresh process) against the prediction made before the model loaded,
-    the runtime's and allocator's own memory included (``memory.cpu_overhead``): within 10% on the demo's model.
-    tiny-llama's recorded peak now includes the teacher-forced fidelity pass after decoding (its logits: 2 rows per
-    config × ~20 tokens × 49,152 vocabulary, about 100 MiB on a 56 MiB prediction above the model), which the
-    planner does not count yet: 1.105 measured, hence its wider bound."""
+    the runtime's and allocator's own memory included (``memory.cpu_overhead``): within 10%, on the demo's model and
+    on tiny-llama, whose peak is the teacher-forced fidelity pass after decoding (its logits over a 49,152-token
+    vocabulary dwarf a tiny model's caches; 0.936 measured, 1.105 before the planner counted the pass)."""
     assert bounds[0] <= _peak_ratio(tmp_path, args) <= bounds[1]
 
 
@@ -158,8 +157,10 @@ def test_a_sweep_predicted_not_to_fit_stops_before_the_model_loads(tmp_path, mon
 def test_the_run_splits_its_decode_batches_to_fit(tmp_path):
     """Between the prediction for every row at once and the one for a row at a time, the run picks the largest
     decode batch that fits and gives the tokens of the unsplit run."""
-    base = ["model=tiny-llama", "benchmark.tasks=[niah_single_1]", "benchmark.num_samples=1", "benchmark.length=1024",
-            "progress=false"]
+    # four samples decoded together: their rows' caches and steps, not the fidelity pass (one row at a time), decide
+    # the peak; answers bounded as measured, so the early check from the bounds agrees
+    base = ["model=tiny-llama", "benchmark.tasks=[niah_single_1]", "benchmark.num_samples=4", "decode_samples=4",
+            "benchmark.length=1024", "benchmark.max_new_tokens=16", "progress=false"]
     from spark_bench.cli import load_samples
     from spark_bench.models import LoadedModel, load_tokenizer
 
@@ -170,12 +171,12 @@ def test_the_run_splits_its_decode_batches_to_fit(tmp_path):
     one = memory_prediction(_compose(base + ["decode_batch=1"]), model, configs, samples=samples)
     limit = (whole.peak + one.peak) / 2 / memory.GIB
     split = memory_prediction(_compose(base + [f"memory.limit_gib={limit}"]), model, configs, samples=samples)
-    assert 1 <= split.decode_batch < whole.decode_batch == len(configs)
+    assert 1 <= split.decode_batch < whole.decode_batch == 4 * len(configs)
     run(_compose(base + [f"memory.limit_gib={limit}", f"output_root={tmp_path}", "run=split"]), tmp_path / "split")
     run(_compose(base + [f"output_root={tmp_path}", "run=whole"]), tmp_path / "whole")
     read = [[json.loads(line)["tokens"] for line in (tmp_path / r / "predictions.jsonl").open()]
             for r in ("split", "whole")]
-    assert read[0] == read[1] and len(read[0]) == len(configs)
+    assert read[0] == read[1] and len(read[0]) == 4 * len(configs)
     assert json.loads((tmp_path / "split" / "memory.json").read_text())["prediction"]["decode_batch"] == \
         split.decode_batch
 

@@ -59,43 +59,70 @@ class Fidelity:
     kl_tokens: int
 
 
+def _output_head(model: nn.Module):
+    """The output head as the model's forward applies it to the decoder's hidden states (Llama, Qwen, Mistral: the
+    ``lm_head`` alone), or None where the forward does more (a logit scale, a soft cap) or has no separate decoder:
+    the whole forward then gives the logits."""
+    config = model.config
+    if any(getattr(config, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale",
+                                                                      "logits_scaling")):
+        return None
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    return None if decoder is None or decoder is model or head is None else head
+
+
 @torch.inference_mode()
-def forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool = True,
-                     checks: FastPaths | None = None) -> list[torch.Tensor]:
-    """Per row, ``(len(fed) + 1, V)`` float32 log-probabilities of its next token: position 0 the one decoding takes
-    its first token from, position ``k`` after ``fed[:k]``. Rows with equal suffix lengths run as one batch (as
-    decoding groups them), in :meth:`BatchedCache.order`; the caches are read, not consumed. ``checks``: the run's
-    fast-path record (:mod:`~spark_bench.engine.fastpaths`; default: a new one, the call a run of its own)."""
+def iter_forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool = True,
+                          checks: FastPaths | None = None):
+    """``(i, log_probs)`` for every row ``i``: its ``(len(fed) + 1, V)`` float32 log-probabilities of the next token,
+    position 0 the one decoding takes its first token from, position ``k`` after ``fed[:k]``. Rows with equal suffix
+    lengths run as one forward (as decoding groups them), in :meth:`BatchedCache.order`; the caches are read, not
+    consumed. The forward stops at the decoder's hidden states and each row's logits are made from its own
+    positions when it is yielded (:func:`_output_head`), so one row's ``(positions, V)`` logits exist at a time, not
+    the batch's. ``checks``: the run's fast-path record (:mod:`~spark_bench.engine.fastpaths`; default: a new one,
+    the call a run of its own)."""
     checks = FastPaths() if checks is None else checks
-    out: list[torch.Tensor | None] = [None] * len(rows)
     groups: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
         if not row.suffix and row.first_logits is None:
             raise ValueError("a teacher-forced row needs first_logits or a suffix to run through its cache")
         groups.setdefault(len(row.suffix), []).append(i)
     device = model.get_input_embeddings().weight.device
+    head = _output_head(model)
     for n, members in groups.items():
         longest = max(len(rows[i].fed) for i in members)
         steps = n + longest
-        keep = longest + (1 if n else 0)  # the logits read: the suffix's last, then one after each fed token
-        logits = None
+        keep = longest + (1 if n else 0)  # the positions read: the suffix's last, then one after each fed token
+        states, order = None, members
         if steps and keep:
             order = [members[j] for j in BatchedCache.order([rows[i].cache for i in members], stack)]
             cache = BatchedCache([rows[i].cache for i in order], steps, stack, consume=False, fast_paths=checks)
             ids = torch.tensor([list(rows[i].suffix) + rows[i].fed + [0] * (longest - len(rows[i].fed))
                                 for i in order], device=device)  # padding: after every position read
             positions = torch.tensor([[rows[i].position + k for k in range(steps)] for i in order], device=device)
+            inputs = dict(input_ids=ids, position_ids=positions, past_key_values=cache, compressed_cache=cache,
+                          use_cache=True)
             with compressed_attention_enabled(model):
-                logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, compressed_cache=cache,
-                               use_cache=True, logits_to_keep=keep).logits.float()
+                if head is not None:
+                    states = model.get_decoder()(**inputs).last_hidden_state[:, steps - keep:]
+                else:
+                    states = model(**inputs, logits_to_keep=keep).logits
             del cache
-            logits = dict(zip(order, logits))
-        for i in members:
+        for j, i in enumerate(order):
             row = rows[i]
             parts = [] if n else [row.first_logits.reshape(1, -1).float().to(device)]
-            if logits is not None:
-                parts.append(logits[i][:len(row.fed) + (1 if n else 0)])
-            out[i] = torch.log_softmax(torch.cat(parts), dim=-1)
+            if states is not None:
+                mine = states[j, :len(row.fed) + (1 if n else 0)]
+                parts.append((head(mine) if head is not None else mine).float())
+            yield i, torch.log_softmax(torch.cat(parts), dim=-1)
+
+
+def forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool = True,
+                     checks: FastPaths | None = None) -> list[torch.Tensor]:
+    """Every row's log-probabilities of :func:`iter_forced_log_probs`, in the order of ``rows``."""
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    for i, log_probs in iter_forced_log_probs(model, rows, stack, checks):
+        out[i] = log_probs
     return out
 
 
@@ -115,33 +142,43 @@ def kl_agree(full: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
     return float(kl), float((full.argmax(-1) == other.argmax(-1)).float().mean())
 
 
-def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], full: int | None,
-            greedy: list[int], stack: bool = True, tokens: int = KL_TOKENS,
-            checks: FastPaths | None = None) -> list[Fidelity]:
-    """The three numbers of every row of one sample. ``rows``: one per method config (``fed`` is set here);
-    ``reference``: the answer's token ids (empty: no ``answer_nll``); ``full``: the index of the full-cache row (None:
-    no ``kl_full`` / ``agree_full``); ``greedy``: the full row's decoded tokens (its stop token excluded). One batched
-    forward per suffix length serves both continuations of every row (2 rows per config)."""
+def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], greedy: list[int],
+            full: int | None = None, full_log_probs: torch.Tensor | None = None, stack: bool = True,
+            tokens: int = KL_TOKENS, checks: FastPaths | None = None) -> tuple[list[Fidelity], torch.Tensor | None]:
+    """The three numbers of rows of one sample, and the full cache's log-probabilities they were compared with.
+
+    ``rows``: one per method config (``fed`` is set here); ``reference``: the answer's token ids (empty: no
+    ``answer_nll``); ``greedy``: the full row's decoded tokens (its stop token excluded); ``full``: the index of the
+    full-cache row among ``rows``, whose greedy continuation is teacher-forced first, or ``full_log_probs``: that
+    continuation's log-probabilities from an earlier call (a sample whose rows decode in several batches); neither:
+    no ``kl_full`` / ``agree_full``. Each row gives two continuations (the reference answer, the greedy tokens),
+    teacher-forced together in one forward per row (the full row's greedy continuation alone, first): a row's
+    numbers do not depend on which rows share its decode batch, byte for byte, and a forward holds two
+    continuations whatever the sweep's size. Each row's log-probabilities are reduced to its numbers as they come:
+    only the full row's continuation (``(positions, V)``) outlives its forward. ``checks``: the run's fast-path
+    record."""
     greedy_fed = list(greedy[:tokens - 1])
-    forced = []
-    for row in rows:
-        if reference:
-            forced.append(ForcedRow(row.cache, row.first_logits, row.position, row.suffix, list(reference[:-1])))
-        if full is not None:
-            forced.append(ForcedRow(row.cache, row.first_logits, row.position, row.suffix, greedy_fed))
-    log_probs = forced_log_probs(model, forced, stack, checks) if forced else []
-    per_row = len(forced) // max(len(rows), 1)
-    out = []
-    for r in range(len(rows)):
-        mine = log_probs[r * per_row:(r + 1) * per_row]
-        nll = mean_nll(mine[0], reference) if reference else None
-        if full is None:
-            out.append(Fidelity(nll, None, None, 0))
-            continue
-        reference_part = 1 if reference else 0
-        kl, agree = kl_agree(log_probs[full * per_row + reference_part], mine[reference_part])
-        out.append(Fidelity(nll, kl, agree, len(greedy_fed) + 1))
-    return out
+    compared = full is not None or full_log_probs is not None
+    # (row, continuation) per forward: the full row's greedy one first, alone; then each row's own
+    passes = [[(full, "greedy")]] * (full is not None) + [
+        [(r, "answer")] * bool(reference) + [(r, "greedy")] * (compared and r != full) for r in range(len(rows))]
+    nll: dict[int, float] = {}
+    kl: dict[int, tuple[float, float]] = {}
+    for part in filter(None, passes):
+        forced = [ForcedRow(rows[r].cache, rows[r].first_logits, rows[r].position, rows[r].suffix,
+                            list(reference[:-1]) if which == "answer" else greedy_fed) for r, which in part]
+        for j, log_probs in iter_forced_log_probs(model, forced, stack, checks):
+            r, which = part[j]
+            if which == "answer":
+                nll[r] = mean_nll(log_probs, reference)
+            elif r == full:
+                full_log_probs, kl[r] = log_probs, kl_agree(log_probs, log_probs)
+            else:
+                kl[r] = kl_agree(full_log_probs, log_probs)
+        del forced
+    positions = len(greedy_fed) + 1
+    return ([Fidelity(nll.get(r), *(kl[r] if r in kl else (None, None)), positions if r in kl else 0)
+             for r in range(len(rows))], full_log_probs)
 
 
 def finite(value: float | None) -> float | None:
