@@ -94,9 +94,9 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
     A sample is prefilled when its first row is built and its prefill is dropped once its last row is built, so
     joining several samples in one batch holds their compressed caches, not their prefills (a ``full`` row's cache
     is the prefill's own keys and values). A sample's full-cache row (``full``: the sweep's full pipeline; None:
-    the one among the samples' pipelines, if any) is planned first among its rows, so the full cache's distributions along its greedy tokens —
-    the ``(positions, vocabulary)`` log-probabilities each row's ``kl_full`` compares with — are known before any
-    other row's pass; they are kept until the sample's last row. A sample resumed with its full row already done
+    the one among the samples' pipelines, if any) is planned first among its rows, so the full cache's
+    distributions along its greedy tokens — the ``(positions, vocabulary)`` log-probabilities each row's
+    ``kl_full`` compares with — are known before any other row's pass; they are kept until the sample's last row. A sample resumed with its full row already done
     builds the full cache again for its first pass (not decoded): ``full_tokens`` (sample id → the done full row's
     tokens) gives its continuation. ``decode_stack``: stack rows of the kinds a compact kernel serves; the tokens
     do not depend on it. ``checks``: the run's record of its fast paths (:mod:`~spark_bench.engine.fastpaths`;
@@ -112,7 +112,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
     selections: dict = {}  # sample index → {compressed prefix: token selections shared by its configs}
     facts: dict = {}       # sample index → (prompt length, dense KV bytes, prefill seconds)
     rebuilt: dict = {}     # sample index → its full row built again (resumed with the full row done), for its pass
-    compared: dict = {}    # sample index → (the full row's greedy tokens, their log-probabilities) or None
+    compared: dict = {}    # sample index → (the full row's greedy tokens, their log-probabilities; [] and None without)
     done_rows: dict = {}   # sample index → [(pipeline, measured, row, peak, fidelity)] so far
     out: list[list[Prediction]] = [[] for _ in work]
     for first in range(0, len(plan), size):
@@ -139,19 +139,16 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
         for i in dict.fromkeys(i for i, _ in chunk):  # per sample in this batch, its rows' pass
             mine = [(k, p) for k, (j, p) in enumerate(chunk) if j == i]
             forced = [_forced(rows[k]) for k, _ in mine]
-            sample, known = work[i][0], compared.get(i)
+            sample, at = work[i][0], None
             if i not in compared and full is not None:  # the sample's first pass: the full row is its first
                 at = 0 if mine[0][1] is full else len(forced)
                 if at:
                     forced.append(_forced(rebuilt.pop(i)))
-                greedy = rows[mine[0][0]].tokens if not at else full_tokens[sample.id]
-                numbers, log_probs = measure(lm.model, forced, reference_ids(sample, lm.tokenizer), greedy, full=at,
-                                             stack=decode_stack, checks=checks)
-                compared[i] = (greedy, log_probs)
-            else:
-                greedy, log_probs = known or ([], None)
-                numbers, _ = measure(lm.model, forced, reference_ids(sample, lm.tokenizer), greedy,
-                                     full_log_probs=log_probs, stack=decode_stack, checks=checks)
+                compared[i] = (rows[mine[0][0]].tokens if not at else full_tokens[sample.id], None)
+            greedy, log_probs = compared.get(i, ([], None))
+            numbers, log_probs = measure(lm.model, forced, reference_ids(sample, lm.tokenizer), greedy, full=at,
+                                         full_log_probs=log_probs, stack=decode_stack, checks=checks)
+            compared[i] = (greedy, log_probs)
             fidelity += [(k, f) for (k, _), f in zip(mine, numbers)]
         fidelity = [f for _, f in sorted(fidelity, key=lambda x: x[0])]
         for row in rows:
