@@ -96,11 +96,12 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
     is the prefill's own keys and values). A sample's full-cache row (``full``: the sweep's full pipeline; None:
     the one among the samples' pipelines, if any) is planned first among its rows, so the full cache's
     distributions along its greedy tokens — the ``(positions, vocabulary)`` log-probabilities each row's
-    ``kl_full`` compares with — are known before any other row's pass; they are kept until the sample's last row. A sample resumed with its full row already done
-    builds the full cache again for its first pass (not decoded): ``full_tokens`` (sample id → the done full row's
-    tokens) gives its continuation. ``decode_stack``: stack rows of the kinds a compact kernel serves; the tokens
-    do not depend on it. ``checks``: the run's record of its fast paths (:mod:`~spark_bench.engine.fastpaths`;
-    default: a new one), each checked at its first use by the decode batches and fidelity passes alike."""
+    ``kl_full`` compares with — are known before any other row's pass; they are kept until the sample's last row.
+    A sample resumed with its full row already done builds the full cache again for its first pass (not decoded):
+    ``full_tokens`` (sample id → the done full row's tokens) gives its continuation. ``decode_stack``: stack rows
+    of the kinds a compact kernel serves; the tokens do not depend on it. ``checks``: the run's record of its fast
+    paths (:mod:`~spark_bench.engine.fastpaths`; default: a new one), each checked at its first use by the decode
+    batches and fidelity passes alike."""
     checks = FastPaths() if checks is None else checks
     if full is None:  # a library call: the full pipeline among the samples' own, if any
         full = next((p for _, pipelines in work for p in pipelines if p.config.name == "full"), None)
@@ -112,7 +113,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
     selections: dict = {}  # sample index → {compressed prefix: token selections shared by its configs}
     facts: dict = {}       # sample index → (prompt length, dense KV bytes, prefill seconds)
     rebuilt: dict = {}     # sample index → its full row built again (resumed with the full row done), for its pass
-    compared: dict = {}    # sample index → (the full row's greedy tokens, their log-probabilities; [] and None without)
+    compared: dict = {}    # sample index → (the full row's greedy tokens, their log-probabilities), [] / None if none
     done_rows: dict = {}   # sample index → [(pipeline, measured, row, peak, fidelity)] so far
     out: list[list[Prediction]] = [[] for _ in work]
     for first in range(0, len(plan), size):
