@@ -114,16 +114,15 @@ def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[Met
     """The run's predicted peak (:func:`spark_bench.memory.choose_decode_batch`): for ``decode_batch`` when set,
     else for the largest decode batch whose peak plus margin fits each device's free memory (or
     ``memory.limit_gib``). Raises :class:`ConfigError` (one line) when it does not fit and ``memory.check`` is on.
-    ``samples``: the run's samples once made (their lengths replace the bounds, :func:`spark_bench.plan.run_bounds`)."""
+    ``samples``: the run's samples once made (their lengths replace the bounds, :func:`spark_bench.plan.bounds`)."""
     from spark_bench import memory, plan
     from spark_bench.engine.clock import free_memory
 
     devices = memory.placement(model_cfg, resolve_device(cfg.get("device", "auto"), model_cfg))
     tasks = [] if cfg.benchmark.get("data_file") else benchmark_tasks(cfg)
     scopes = {c.compress_scope for c in configs}
-    prompt, new = plan.run_bounds(cfg, model_cfg, tasks, scopes, samples)
-    suffix, graph = plan.suffix_bound(cfg, model_cfg, tasks, scopes, samples), bool(cfg.get("decode_graph", True))
-    answer = plan.answer_bound(cfg, model_cfg, tasks, scopes, samples)
+    prompt, new, suffix, answer = plan.bounds(cfg, model_cfg, tasks, scopes, samples)
+    graph = bool(cfg.get("decode_graph", True))
     limit = cfg.memory.get("limit_gib")
     if limit is None:
         absent = [d.name for d in devices if d.name.startswith("cuda") and not cuda_exists(d.name)]

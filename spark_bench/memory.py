@@ -435,9 +435,9 @@ def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: 
     batch, None = all) on prompts of at most ``prompt_tokens`` tokens and at most ``new_tokens`` decoded ones
     (suffixes included), on ``devices`` (default: one device with every layer). ``baseline``: resident bytes
     already held (CPU). ``suffix``: the most tokens a row runs through its cache in one forward before decoding
-    (:func:`~spark_bench.plan.suffix_bound`; None: ``new_tokens`` when a config compresses less than the prompt).
+    (:func:`~spark_bench.plan.bounds`; None: ``new_tokens`` when a config compresses less than the prompt).
     ``graph``: decode steps may be captured in CUDA graphs (``decode_graph``; their pool is in the margin).
-    ``answer``: the most reference-answer tokens the fidelity pass feeds (:func:`~spark_bench.plan.answer_bound`;
+    ``answer``: the most reference-answer tokens the fidelity pass feeds (:func:`~spark_bench.plan.bounds`;
     None: the decoded tokens, ``new_tokens − suffix``).
 
     Besides the tensors, per CUDA device: the run-time check of each kernel variant (:data:`check_work`, at the

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from spark_bench.memory import GIB, Arch, predict_run
 from spark_bench.methods import MethodConfig
@@ -106,29 +107,30 @@ TEMPLATE_TOKENS = 64    # a bound on what a chat template adds around a truncate
 QUESTION_TOKENS = 512   # compress_scope=context: an assumed bound on a question run through the cache (not measured)
 
 
+class Bounds(NamedTuple):
+    """What a run's memory prediction is made from (:func:`bounds`)."""
+
+    prompt: int   # the longest prompt
+    through: int  # the most tokens run through a compressed cache: decoded tokens plus the suffix
+    suffix: int   # the most tokens a sample runs through its cache in one forward before decoding
+    answer: int   # the most reference-answer tokens the fidelity pass feeds a sample's caches
+
+
+def bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samples=None) -> Bounds:
+    """A run's :class:`Bounds`, measured on ``samples`` (or on exported samples, ``benchmark.data_file``) where
+    given. Before any data is tokenized: RULER's prompts are at most ``benchmark.length`` and LongBench's at most its
+    truncation limit plus :data:`TEMPLATE_TOKENS`; the suffix is the turn end under ``question``
+    (:data:`TEMPLATE_TOKENS`), also the question under ``context`` (:data:`QUESTION_TOKENS`), 0 under ``prompt``
+    (``scopes``: the configs' ``compress_scope``); a reference answer at most the tokens a sample decodes. On samples,
+    a reference answer's tokens are bounded by its UTF-8 bytes (a token covers at least one byte), capped at its
+    ``max_new_tokens`` as :func:`~spark_bench.benchmarks.reference.reference_ids` caps it."""
+    prompt, new, suffix, answer = _bounds(cfg, model, tasks, scopes, samples)
+    return Bounds(prompt, new + suffix, suffix, answer)
+
+
 def run_bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samples=None) -> tuple[int, int]:
-    """(longest prompt, most tokens run through a compressed cache) of a run: measured on ``samples`` (or on
-    exported samples, ``benchmark.data_file``) where given; before any data is tokenized, RULER's prompts are at most
-    ``benchmark.length`` and LongBench's at most its truncation limit plus :data:`TEMPLATE_TOKENS`. The second
-    number bounds the decoded tokens plus the suffix the ``scopes`` (the configs' ``compress_scope``) run through
-    the cache (:func:`suffix_bound`)."""
-    prompt, new, suffix, _ = _bounds(cfg, model, tasks, scopes, samples)
-    return prompt, new + suffix
-
-
-def suffix_bound(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samples=None) -> int:
-    """The most tokens a sample runs through its compressed cache in one forward before decoding (its suffix):
-    measured on ``samples`` (or exported ones); else the turn end under ``question`` (:data:`TEMPLATE_TOKENS`),
-    also the question under ``context`` (:data:`QUESTION_TOKENS`), 0 under ``prompt``."""
-    return _bounds(cfg, model, tasks, scopes, samples)[2]
-
-
-def answer_bound(cfg, model: ModelConfig, tasks: list[str], scopes: set[str], samples=None) -> int:
-    """The most reference-answer tokens the fidelity pass feeds a sample's caches (:mod:`spark_bench.engine.fidelity`):
-    on ``samples`` (or exported ones), each reference's UTF-8 bytes, capped at its ``max_new_tokens`` (a token covers
-    at least one byte; :func:`~spark_bench.benchmarks.reference.reference_ids` caps it there); else the most tokens
-    a sample decodes."""
-    return _bounds(cfg, model, tasks, scopes, samples)[3]
+    """(longest prompt, most tokens run through a compressed cache) of a run (:func:`bounds`)."""
+    return bounds(cfg, model, tasks, scopes, samples)[:2]
 
 
 def _bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str],

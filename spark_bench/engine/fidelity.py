@@ -60,15 +60,15 @@ class Fidelity:
 
 
 def _output_head(model: nn.Module):
-    """The output head as the model's forward applies it to the decoder's hidden states (Llama, Qwen, Mistral: the
-    ``lm_head`` alone), or None where the forward does more (a logit scale, a soft cap) or has no separate decoder:
-    the whole forward then gives the logits."""
+    """``(decoder, head)``: the model's forward as its decoder's hidden states and the output head applied to them
+    (Llama, Qwen, Mistral: the ``lm_head`` alone), or None where the forward does more (a logit scale, a soft cap)
+    or has no separate decoder: the whole forward then gives the logits."""
     config = model.config
     if any(getattr(config, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale",
                                                                       "logits_scaling")):
         return None
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    return None if decoder is None or decoder is model or head is None else head
+    return None if decoder is None or decoder is model or head is None else (decoder, head)
 
 
 @torch.inference_mode()
@@ -88,7 +88,7 @@ def iter_forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool =
             raise ValueError("a teacher-forced row needs first_logits or a suffix to run through its cache")
         groups.setdefault(len(row.suffix), []).append(i)
     device = model.get_input_embeddings().weight.device
-    head = _output_head(model)
+    split = _output_head(model)
     for n, members in groups.items():
         longest = max(len(rows[i].fed) for i in members)
         steps = n + longest
@@ -103,8 +103,8 @@ def iter_forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool =
             inputs = dict(input_ids=ids, position_ids=positions, past_key_values=cache, compressed_cache=cache,
                           use_cache=True)
             with compressed_attention_enabled(model):
-                if head is not None:
-                    states = model.get_decoder()(**inputs).last_hidden_state[:, steps - keep:]
+                if split is not None:
+                    states = split[0](**inputs).last_hidden_state[:, steps - keep:]
                 else:
                     states = model(**inputs, logits_to_keep=keep).logits
             del cache
@@ -113,7 +113,7 @@ def iter_forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool =
             parts = [] if n else [row.first_logits.reshape(1, -1).float().to(device)]
             if states is not None:
                 mine = states[j, :len(row.fed) + (1 if n else 0)]
-                parts.append((head(mine) if head is not None else mine).float())
+                parts.append((split[1](mine) if split is not None else mine).float())
             yield i, torch.log_softmax(torch.cat(parts), dim=-1)
 
 
@@ -175,7 +175,6 @@ def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], greed
                 full_log_probs, kl[r] = log_probs, kl_agree(log_probs, log_probs)
             else:
                 kl[r] = kl_agree(full_log_probs, log_probs)
-        del forced
     positions = len(greedy_fed) + 1
     return ([Fidelity(nll.get(r), *(kl[r] if r in kl else (None, None)), positions if r in kl else 0)
              for r in range(len(rows))], full_log_probs)
