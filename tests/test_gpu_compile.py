@@ -78,6 +78,9 @@ def test_the_instruction_budget_script_reads_a_launched_kernel():
     token, kinds = bench.token_loop(k)
     assert kinds["dense"]["instructions"] < kinds["bare"]["instructions"] < kinds["plain"]["instructions"] \
         <= kinds["signed"]["instructions"]
+    # ThinK's structured keys: a dot as deep as the kept channels (TK), no mask read
+    assert kinds["structured"]["instructions"] < kinds["bare"]["instructions"]
+    assert kinds["structured"]["tensor_core"] < kinds["dense"]["tensor_core"]
     # pruned entries read as 0: no recovery dot (three split-term dots instead of six)
     assert kinds["bare"]["tensor_core"] == kinds["dense"]["tensor_core"] < kinds["plain"]["tensor_core"]
     assert kinds["dense"]["global_loads"].get(1, 0) == 0 and token["global_loads"].get(16)  # 16-byte value loads

@@ -102,7 +102,7 @@ def test_segment_stack_reads_the_rows_stores_in_place():
     assert stack.nbytes() < 0.1 * sum(s.nbytes() for s in stores)  # the table and per-head scales only
     values = ValueStack([DenseStore(torch.zeros(1, 2, s.length, 64, dtype=torch.bfloat16)) for s in stores], 200)
     tables = FusedTables.build(stack, values, [None] * 8, members=4)
-    kept_addresses = set(tables.seg[2::10].tolist())
+    kept_addresses = set(tables.seg[2::11].tolist())
     assert {stores[0].kept.data_ptr(), stores[3].data.data_ptr()} <= kept_addresses
     assert tables.nbytes() < 0.1 * sum(s.nbytes() for s in stores)
 
@@ -164,17 +164,21 @@ def triton_kernels():
     return importlib.import_module("spark_bench.storage.triton_decode")
 
 
-FUSED_CASES = [  # head_dim, group, q_len, dtype: every kind in one launch; a suffix; head_dim 96 padded to 128;
-    (64, 3, 1, torch.bfloat16), (32, 2, 3, torch.float32), (96, 4, 1, torch.float32),  # the production shape
-    (128, 4, 1, torch.bfloat16)]
+FUSED_CASES = [  # head_dim, group, q_len, dtype, chunk: every kind in one launch; a suffix; head_dim 96 padded to
+    # 128; the production shape; work items of 48 tokens (a whole block and a masked one each; ThinK's items before
+    # its recent tokens read as structured keys)
+    (64, 3, 1, torch.bfloat16, None), (32, 2, 3, torch.float32, 48), (96, 4, 1, torch.float32, None),
+    (128, 4, 1, torch.bfloat16, 48)]
 
 
-@pytest.mark.parametrize("head_dim,group,q_len,dtype", FUSED_CASES, ids=lambda x: str(x).replace("torch.", ""))
-def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, q_len, dtype):
+@pytest.mark.parametrize("head_dim,group,q_len,dtype,chunk", FUSED_CASES,
+                         ids=lambda x: str(x).replace("torch.", ""))
+def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, q_len, dtype, chunk):
     """Every store kind (SparK official / paper degenerate, zero, none, constant, fork_pool0, ThinK with and without
     its dense window, dense keys) in one launch, rows of different lengths, three rows sharing one value tensor (read
     once per work item), AdaKV validity bits on one row, the decoded tail causal for a suffix: equal to float64
-    softmax attention within 1e-5 relative (float32 logits and softmax; the only rounding is float32 summation)."""
+    softmax attention within 1e-5 relative (float32 logits and softmax; the only rounding is float32 summation).
+    With ``chunk``, every member loop of the kernel runs (``kinds``: its columns of the work table)."""
     kinds = ["spark_official", "spark_paper", "spark_zero", "spark_fork_pool0", "think_window", "dense"]
     if head_dim == 64:
         kinds += ["spark_none", "spark_constant", "think_no_window", "spark_paper_constant"]
@@ -195,9 +199,13 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
     tail_v = torch.randn(n, 2, cap, head_dim, generator=g).to(DEVICE, dtype)
     queries = torch.randn(n, 2, group * q_len, head_dim, generator=g).to(DEVICE)
     members = triton_kernels.launch_shape(group * q_len)[1]
-    tables = FusedTables.build(keys_stack, value_stack, per_head, members)
-    work = tables.work.view(-1, 6)
+    tables = FusedTables.build(keys_stack, value_stack, per_head, members, chunk)
+    work = tables.work.view(-1, triton_kernels.WORK_COLS)
     assert work[:, 1].max() > 1  # rows sharing a value tensor are served by one work item (values read once)
+    runs = torch.diff(work[:, 6:10], dim=1, prepend=torch.zeros_like(work[:, :1]),
+                      append=work[:, 1:2])  # members per kind: dense, structured, bare, plain, signed
+    kinds = (runs > 0).any(0).tolist()
+    assert all(kinds) or chunk is None, kinds
     # the step's q_len tokens go in beside the tail (filled − q_len tokens in it), which the kernel writes them into
     new_k, new_v = tail_k[:, :, filled - q_len:filled].clone(), tail_v[:, :, filled - q_len:filled].clone()
     buf_k, buf_v = tail_k.clone(), tail_v.clone()

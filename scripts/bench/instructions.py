@@ -116,53 +116,68 @@ def eviction_key(cfg) -> tuple:
     return (cfg.name.split("+")[0], cfg.budget, cfg.budget_rounding, cfg.window_size, cfg.kernel_size, cfg.pooling)
 
 
-def member_kind(cfg, arch, dtype: str) -> str:
+KINDS = ("dense", "structured", "bare", "plain", "signed")  # the kernel's member loops, in source order
+
+
+def member_kind(cfg, arch, dtype: str) -> tuple[str, int]:
     """Which of the partials kernel's member loops serves ``cfg``'s keys (the order
     :class:`~spark_bench.storage.segments.FusedTables` sorts a work item's heads in): ``dense`` (eviction only, a
-    full row), ``bare`` (pruned entries read as 0, no recovery term: ThinK, SparK's zero/none recoveries, AdaKV
-    rows), ``plain`` (a recovery without signs: SparK's paper/constant recoveries), ``signed`` (SparK's official
-    recovery)."""
+    full row), ``structured`` (ThinK's channel subset, in work items before its recent tokens), ``bare`` (pruned
+    entries read as 0, no recovery term: SparK's zero/none recoveries, AdaKV rows, ThinK's item holding its recent
+    tokens), ``plain`` (a recovery without signs: SparK's paper/constant recoveries), ``signed`` (SparK's official
+    recovery); and the recent tokens a structured store keeps dense (0 otherwise)."""
     from spark_bench.memory import _synthetic_layer
-    from spark_bench.storage.stores import DenseStore, UnstructuredStore
+    from spark_bench.methods.pipeline import Pipeline
+    from spark_bench.storage.stores import DenseStore, StructuredKeyStore, UnstructuredStore
 
     layer = _synthetic_layer(cfg, arch, getattr(__import__("torch"), dtype), 64)
     store = layer.key_store
     if isinstance(store, DenseStore):
-        return "bare" if getattr(layer, "valid_bits", None) is not None or cfg.name.startswith("ada") else "dense"
+        ada = getattr(layer, "valid_bits", None) is not None or cfg.name.startswith("ada")
+        return ("bare" if ada else "dense"), 0
     if isinstance(store, UnstructuredStore):
         terms = store.recovery.kernel_terms()
         mode, fill = getattr(terms, "mode", None), getattr(terms, "fill", None)
-        return "signed" if mode == "signed" else "bare" if mode == "constant" and fill == 0 else "plain"
-    return "bare"  # ThinK's structured keys: pruned channels read as 0
+        return ("signed" if mode == "signed" else "bare" if mode == "constant" and fill == 0 else "plain"), 0
+    if isinstance(store, StructuredKeyStore) and not cfg.name.startswith("ada"):
+        channel = Pipeline.from_config(cfg).channel  # (ThinK: its last window_size tokens keep every channel)
+        return "structured", channel.window_size if getattr(channel, "keep_window", False) else 0
+    return "bare", 0
 
 
 def work_items(model, configs, prompt: int, members: int, layer: int = 0) -> list[dict]:
-    """One layer's work items of the partials kernel (per kv-head, × heads): the query heads sharing a value tensor
-    (sorted by kind, as the tables sort them) in batches of ``members``, each over ``chunk_of(tokens)``-token
-    chunks; per item its members' kinds and key bytes per token (each config's stores) and the values' bytes per
-    token (read once for the batch)."""
+    """One layer's work items of the partials kernel (per kv-head, × heads), as
+    :meth:`~spark_bench.storage.segments.FusedTables.layout` makes them: the query heads sharing a value tensor, over
+    ``chunk_of(tokens)``-token chunks, each chunk's heads sorted by their kind in it (a structured store's chunks
+    holding recent tokens read it as ``bare``) in batches of ``members``; per item (chunks alike merged: ``tokens``
+    over ``programs`` chunks of ``chunk``) its members' kinds and key bytes per token (each config's stores) and
+    the values' bytes per token (read once for the batch)."""
     from spark_bench.memory import Arch, store_bytes, stored_tokens
     from spark_bench.storage.segments import FusedTables
 
     arch = Arch.of(model)
-    order = {"dense": 0, "bare": 1, "plain": 2, "signed": 3}
     groups: dict = {}
     for cfg in configs:
         t = stored_tokens(cfg, arch, prompt)[layer]
         sb = store_bytes(cfg, arch, model.dtype)
         groups.setdefault(eviction_key(cfg), (t, sb.value_per_token, []))[2].append(
-            (member_kind(cfg, arch, model.dtype), sb.key_per_token))
-    items = []
+            (*member_kind(cfg, arch, model.dtype), sb.key_per_token))
+    merged: dict = {}
     for t, value_bytes, keys in groups.values():
-        keys = sorted(keys, key=lambda x: order[x[0]])
         chunk = FusedTables.chunk_of(t)
-        for i in range(0, len(keys), members):
-            batch = keys[i:i + members]
-            items.append({"members": len(batch), "kinds": [k for k, _ in batch], "tokens": t, "chunk": chunk,
-                          "programs": arch.num_kv_heads * -(-t // chunk), "heads": arch.num_kv_heads,
-                          "bytes_per_token": value_bytes + sum(b for _, b in batch),
-                          "key_bytes_per_token": [b for _, b in batch], "value_bytes_per_token": value_bytes})
-    return items
+        for t0 in range(0, t, chunk):
+            t1 = min(t0 + chunk, t)
+            kinds = [("bare" if kind == "structured" and t1 > t - recent else kind, b) for kind, recent, b in keys]
+            kinds.sort(key=lambda x: KINDS.index(x[0]))
+            for i in range(0, len(kinds), members):
+                batch = tuple(kinds[i:i + members])
+                item = merged.setdefault((batch, t1 - t0, value_bytes), {
+                    "members": len(batch), "kinds": [k for k, _ in batch], "tokens": 0, "chunk": t1 - t0,
+                    "programs": 0, "heads": arch.num_kv_heads, "bytes_per_token": value_bytes + sum(b for _, b in batch),
+                    "key_bytes_per_token": [b for _, b in batch], "value_bytes_per_token": value_bytes})
+                item["tokens"] += t1 - t0
+                item["programs"] += arch.num_kv_heads
+    return list(merged.values())
 
 
 def scenarios() -> dict:
@@ -199,20 +214,25 @@ def scenarios() -> dict:
     return out
 
 
-def token_loop(k: dict) -> tuple[dict, dict]:
-    """The partials kernel's steady-state loop (the top-level loop holding the member loops, else the largest) and
-    its member loop per kind: four member loops are, in program order, ``dense``, ``bare``, ``plain``, ``signed``
-    (the kernel's source order); otherwise they are told apart by their byte loads (the mask and sign bytes): none →
+def token_loop(k: dict, masked: bool = False) -> tuple[dict, dict]:
+    """The partials kernel's steady-state loop (the first top-level loop holding member loops: whole blocks, no
+    token masks; with ``masked``, the second, a chunk's last partial block; else the largest loop) and its member
+    loop per kind: five member loops are, in program order, :data:`KINDS` (the kernel's source order), four the
+    same without ``structured``; otherwise they are told apart by their byte loads (the mask and sign bytes): none →
     ``dense``, the most → ``signed``, between → ``plain`` (and ``bare``); a single member loop serves every kind."""
     loops = k["loops"]
-    token = max(loops, key=lambda x: (bool(x["inner"]), x["instructions"]))
+    holding = [x for x in loops if x["inner"]]
+    token = holding[min(int(masked), len(holding) - 1)] if holding else max(loops, key=lambda x: x["instructions"])
+    if len(token["inner"]) == 5:
+        return token, dict(zip(KINDS, token["inner"]))
     if len(token["inner"]) == 4:
-        return token, dict(zip(("dense", "bare", "plain", "signed"), token["inner"]))
+        loops4 = dict(zip(("dense", "bare", "plain", "signed"), token["inner"]))
+        return token, {**loops4, "structured": loops4["bare"]}
     inner = sorted(token["inner"], key=lambda x: x["global_loads"].get(1, 0))
     if len(inner) <= 1:
-        return token, {kind: inner[0] if inner else None for kind in ("dense", "bare", "plain", "signed")}
+        return token, {kind: inner[0] if inner else None for kind in KINDS}
     kinds = {"dense": inner[0] if not inner[0]["global_loads"].get(1) else None, "signed": inner[-1]}
-    kinds["plain"] = kinds["bare"] = inner[1] if len(inner) > 2 else inner[-1]
+    kinds["plain"] = kinds["bare"] = kinds["structured"] = inner[1] if len(inner) > 2 else inner[-1]
     if kinds["dense"] is None:
         kinds["dense"] = kinds["plain"]
     return token, kinds
@@ -222,17 +242,23 @@ def model_partials(k: dict, items: list[dict], device: Device) -> dict:
     """Instructions, bytes and modelled time of the partials kernel over ``items``."""
     block, warps = k["constants"]["BLOCK_"], k["num_warps"]
     token, kinds = token_loop(k)
+    last, last_kinds = token_loop(k, masked=True)
     instr = byte = 0.0
     loop_instr = in_flight = 0.0
     widest = max(token["global_loads"], default=0)
     for it in items:
         full, rest = divmod(it["tokens"], it["chunk"])
-        blocks = it["heads"] * (full * -(-it["chunk"] // block) + -(-rest // block))
+        whole = it["heads"] * (full * (it["chunk"] // block) + rest // block)  # blocks of the steady-state loop
+        partial = it["heads"] * (full * bool(it["chunk"] % block) + bool(rest % block))  # a chunk's last, masked
         member_kinds = it.get("kinds") or ["signed"] * it["members"]
-        per_block = token["instructions"] + sum(kinds[kind]["instructions"] for kind in member_kinds
-                                                if kinds[kind] is not None)
-        loop_instr += warps * blocks * per_block
-        instr += warps * (blocks * per_block + it["programs"] * k["outside_loops"])
+
+        def per_block(loop, loops):
+            return loop["instructions"] + sum(loops[kind]["instructions"] for kind in member_kinds
+                                              if loops[kind] is not None)
+
+        in_loops = whole * per_block(token, kinds) + partial * per_block(last, last_kinds)
+        loop_instr += warps * in_loops
+        instr += warps * (in_loops + it["programs"] * k["outside_loops"])
         byte += it["tokens"] * it["heads"] * it["bytes_per_token"]
         # bytes one CTA has requested at once: the values, issued first, and one member's keys (the member loops run
         # one member at a time); a flat pipelined loop, num_stages − 1 iterations ahead

@@ -39,6 +39,7 @@ class Launch:
     group: int
     q_len: int = 1
     itemsize: int = 2
+    width: int = 32  # structured (ThinK) keys' kept channels, padded (the partials kernel's TK; 0: none)
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ def _arguments(launch: Launch):
     new = torch.zeros(heads, launch.q_len, d, dtype=dtype)  # the step's keys/values (R·H, q_len, D) rows
     packed = torch.zeros(64, dtype=torch.int64)
     members = triton_decode.launch_shape(n)[1]
-    tables = SimpleNamespace(seg=packed[:20], head=packed[20:34], work=packed[34:46], lists=packed[46:48],
-                             n_slots=4, n_work=2, members=members, aligned=True)
+    tables = SimpleNamespace(seg=packed[:22], head=packed[22:36], work=packed[36:56], lists=packed[56:58],
+                             n_slots=4, n_work=2, members=members, aligned=True, width=launch.width)
     aux = torch.ones(heads, d)
     for kernel, _, args, kwargs in triton_decode.launches(q, 0.088, aux, tables, tail_k, new, new, tail_k, tail_v,
                                                           torch.zeros(1, dtype=torch.int64), launch.q_len, 0,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from spark_bench.storage.bits import pack_bits, tensor_bytes
-from spark_bench.storage.stores import DenseStore, StructuredKeyStore, UnstructuredStore
+from spark_bench.storage.stores import DenseStore, StructuredKeyStore, UnstructuredStore, channel_index_dtype
 
 # the C++ kernel's table: each array read from one of several parts (the rows' own tensors) at an offset in it
 PART_COLUMNS = ("qh", "out_off", "n_tokens", "t_kept", "kept_part", "kept_off", "mask_part", "mask_off", "mask_stride",
@@ -94,16 +94,19 @@ class SegmentStack:
         device = _device_of(first)
         d = self.head_dim
         self.kept_parts, self.mask_parts, self.mu_parts, self.sign_parts = [], [], [], []
+        self.chan_parts, self._chans = [], []  # a structured segment's kept channels (the fused kernel's gather)
         rows, fills, scales, own, qh = [], [], [], [], 0
 
         def part(parts: list, tensor: torch.Tensor) -> int:
             parts.append(tensor)
             return len(parts) - 1
 
-        def segment(qh, out_off, n, t, kept, mask, mu, sign, mode, fill=0.0):
-            """``kept``, ``mu``, ``sign``: (part, offset); ``mask``: (part, offset, stride); absent: (-1, 0[, 0])."""
+        def segment(qh, out_off, n, t, kept, mask, mu, sign, mode, fill=0.0, chan=(-1, 0)):
+            """``kept``, ``mu``, ``sign``, ``chan``: (part, offset); ``mask``: (part, offset, stride); absent:
+            (-1, 0[, 0])."""
             rows.append((qh, out_off, n, t, *kept, *mask, *mu, *sign, MODES[mode]))
             fills.append(fill)
+            self._chans.append(chan)
 
         def head_offsets(x: torch.Tensor):
             """``x (B, H, S, D)`` as a part read in place — a view, e.g. a prompt prefix of the prefill's keys, as
@@ -135,11 +138,12 @@ class SegmentStack:
                 own.append(pack_bits(channel_mask).reshape(-1, d // 8))
                 m = part(self.mask_parts, own[-1])
                 k_old = part(self.kept_parts, store.kept.contiguous())
+                ch = part(self.chan_parts, store.channels.to(channel_index_dtype(d)).contiguous())
                 recent, recent_offsets = head_offsets(store.recent)
                 k_recent = part(self.kept_parts, recent) if n_recent else -1
                 for i in range(b * h):
                     segment(qh + i, 0, s_old, t, (k_old, i * s_old * t), (m, i, 0), none, none,
-                            "constant")
+                            "constant", chan=(ch, i * t))
                     if n_recent:
                         segment(qh + i, s_old, n_recent, d, (k_recent, recent_offsets[i]), no_mask,
                                 none, none, "dense")
@@ -251,6 +255,7 @@ class FusedTables:
     n_work: int
     members: int
     aligned: bool = False  # every value tensor and dense key run starts 16-byte aligned (16-byte loads)
+    width: int = 0  # the kernel's TK: the structured (ThinK) segments' kept channels, padded (0: none)
 
     @staticmethod
     def chunk_of(n: int, block: int = 16) -> int:
@@ -272,9 +277,9 @@ class FusedTables:
     @classmethod
     def view(cls, packed: torch.Tensor, layout: tuple) -> "FusedTables":
         """The tables over ``packed`` (the device copy of :meth:`layout`'s list, or a slice of a larger upload)."""
-        a, b, c, slots, n_work, members, *aligned = layout
+        a, b, c, slots, n_work, members, aligned, width = layout
         return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], packed[a + b + c:], slots, n_work,
-                   members, bool(aligned and aligned[0]))
+                   members, aligned, width)
 
     @classmethod
     def layout(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
@@ -286,12 +291,16 @@ class FusedTables:
         n_heads = len(valid)
         seg_rows, first, second, split = [], [-1] * n_heads, [-1] * n_heads, [1 << 62] * n_heads
         d8 = keys.head_dim // 8
-        for (qh, out_off, n, t, kp, ko, mp, mo, ms, up, uo, sp, so, mode), fill in zip(keys._rows, keys._fills):
+        widest = 0  # the widest structured segment (the kernel's TK)
+        for row, fill, (cp, co) in zip(keys._rows, keys._fills, keys._chans):
+            qh, out_off, n, t, kp, ko, mp, mo, ms, up, uo, sp, so, mode = row
             seg_rows.append([out_off, t, _address(keys.kept_parts[kp], ko),
                              _address(keys.mask_parts[mp], mo * d8) if mp >= 0 else 0, ms,
                              _address(keys.mu_parts[up], uo) if up >= 0 else 0,
                              keys.sign_parts[sp].data_ptr() if sp >= 0 else 0, so if sp >= 0 else 0, mode,
-                             struct.unpack("<i", struct.pack("<f", fill))[0]])
+                             struct.unpack("<i", struct.pack("<f", fill))[0],
+                             _address(keys.chan_parts[cp], co) if cp >= 0 else 0])
+            widest = max(widest, t if cp >= 0 else 0)
             if first[qh] < 0:
                 first[qh] = len(seg_rows) - 1
             elif mode != MODES["dense"]:  # the kernel reads a second segment as dense rows (ThinK's recent tokens)
@@ -313,25 +322,34 @@ class FusedTables:
         modes = [r[8] for r in seg_rows]
         bare = [r[8] == MODES["dense"] or (r[8] == MODES["constant"] and r[9] == 0) for r in seg_rows]
 
-        def kind(qh: int) -> int:
-            """The kernel's member loop for ``qh`` (:mod:`.triton_decode`): 0 dense keys and every token valid, 1
-            pruned entries read as 0 (no recovery term: ThinK, zero/none recoveries, AdaKV's dense rows), 2 a compact
-            layout with a recovery, without signs, 3 with them (official recovery)."""
+        def kind(qh: int, t1: int) -> int:
+            """The kernel's member loop for ``qh`` in a work item ending at token ``t1`` (:mod:`.triton_decode`): 0
+            dense keys and every token valid, 1 structured keys (ThinK's channel subset, every token of the item
+            before the recent dense ones), 2 pruned entries read as 0 (no recovery term: ThinK's item holding its
+            recent tokens, zero/none recoveries, AdaKV's dense rows), 3 a compact layout with a recovery, without
+            signs, 4 with them (official recovery)."""
             segs = (first[qh], second[qh] if second[qh] >= 0 else first[qh])
             both = (modes[segs[0]], modes[segs[1]])
             if both == (3, 3) and valid[qh] is None:
                 return 0
-            return 3 if 2 in both else 1 if bare[segs[0]] and bare[segs[1]] else 2
+            if keys._chans[segs[0]][0] >= 0 and seg_rows[segs[0]][1] > 0 and valid[qh] is None and t1 <= split[qh]:
+                return 1
+            return 4 if 2 in both else 2 if bare[segs[0]] and bare[segs[1]] else 3
 
         for (part, offset, n), heads in groups.items():
             address, step = _address(values.parts[part], offset), chunks[heads[0]]
-            heads = sorted(heads, key=kind)  # a work item's heads by kind: one kernel loop per kind
-            for i in range(0, len(heads), members):
-                batch = heads[i:i + members]
-                start = len(lists)
-                lists += batch
-                for k, t0 in enumerate(range(0, n, step)):
-                    work.append([start, len(batch), t0, min(t0 + step, n), address, k])
+            known: dict = {}  # the list of each ordering of the heads (most items of a tensor share one)
+            for k, t0 in enumerate(range(0, n, step)):
+                t1 = min(t0 + step, n)
+                kinds = {qh: kind(qh, t1) for qh in heads}
+                ordered = tuple(sorted(heads, key=kinds.get))  # an item's heads by kind: one kernel loop per kind
+                for i in range(0, len(ordered), members):
+                    batch = ordered[i:i + members]
+                    if batch not in known:
+                        known[batch] = len(lists)
+                        lists += batch
+                    ends = [sum(kinds[qh] <= x for qh in batch) for x in range(4)]
+                    work.append([known[batch], len(batch), t0, t1, address, k, *ends])
         head_rows = []
         for qh in range(n_heads):
             bits = valid[qh]
@@ -342,7 +360,8 @@ class FusedTables:
         flat += lists
         rows = (keys.head_dim * keys.dtype.itemsize) % 16 == 0
         aligned = rows and all(r[4] % 16 == 0 for r in work) and all(r[2] % 16 == 0 for r in seg_rows if r[8] == 3)
-        return flat, (10 * len(seg_rows), 7 * n_heads, 6 * len(work), slots, len(work), members, aligned)
+        width = max(32, 1 << (widest - 1).bit_length()) if widest else 0
+        return flat, (11 * len(seg_rows), 7 * n_heads, 10 * len(work), slots, len(work), members, aligned, width)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed)

@@ -72,9 +72,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 # columns of the tables (storage/segments.py builds them)
-SEG_COLS = 10   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill
+SEG_COLS = 11   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill,
+#                 chan_addr (a structured segment's kept channels, one index each)
 HEAD_COLS = 7   # seg_a, seg_b, split, valid_addr, slot_base, n_slots, n_tokens
-WORK_COLS = 6   # list_start, count, t_start, t_end, val_addr, chunk
+WORK_COLS = 10  # list_start, count, t_start, t_end, val_addr, chunk, then the ends of its kinds' runs of members:
+#                 n_dense, n_struct, n_bare, n_plain (the rest, to count, are signed)
 BLOCK = {2: 32, 4: 16}  # tokens per step of the token loop by element size
 ROWS = 16       # query rows per program (the dot products' M)
 # warps of the partials kernel by element size: bfloat16 (tensor-core dots) 4 warps at BLOCK 32 (≤ 248 registers
@@ -141,7 +143,7 @@ def _dot3(a1, a2, a3, b, acc):
 def _segment(seg_ptr, s):
     """The table row of segment ``s`` as scalars: out_off, t_kept, kept/mask addresses, mask stride, μ/sign
     addresses, sign bit offset, mode, the fill's float32 bits."""
-    row = seg_ptr + s * 10
+    row = seg_ptr + s * 11
     return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4), tl.load(row + 5),
             tl.load(row + 6), tl.load(row + 7), tl.load(row + 8), tl.load(row + 9))
 
@@ -273,7 +275,7 @@ def _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, li
     zero/none recoveries, AdaKV's dense rows) only ``q · k``."""
     qh = tl.load(heads + m)
     hrow = head_ptr + qh * 7
-    b = seg_ptr + tl.load(hrow + 1) * 10  # (a second segment is a run of dense keys: FusedTables.layout)
+    b = seg_ptr + tl.load(hrow + 1) * 11  # (a second segment is a run of dense keys: FusedTables.layout)
     k, scale, sign = _keys(_segment(seg_ptr, tl.load(hrow)), tl.load(b + 2), tl.load(b), tl.load(hrow + 2), t, live,
                            c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS, RECOVER)
     if ELEM == tl.bfloat16:
@@ -295,12 +297,91 @@ def _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, li
     return tl.where((member == m)[:, None] & visible[None, :], sm, s)
 
 
+@triton.jit
+def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, head_ptr, seg_ptr, aux_ptr, c,
+          n_dense, n_struct, n_bare, n_plain, count, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
+          D_PAD: tl.constexpr, ROWS_: tl.constexpr, BLOCK_: tl.constexpr, VALIGN: tl.constexpr, TK: tl.constexpr,
+          MASKED: tl.constexpr):
+    """One block of ``BLOCK_`` tokens from ``t0``: the values, every member's logits (one loop per kind, in the
+    order :class:`~spark_bench.storage.segments.FusedTables` sorts them), the online softmax. Without ``MASKED``
+    (a whole block) nothing is masked and the values and dense keys are addressed from the block's first row by
+    32-bit offsets."""
+    tt = tl.arange(0, BLOCK_)
+    t = t0 + tt.to(tl.int64)
+    inside = (tt[:, None] * D + c[None, :])  # (32-bit) offsets of a block's rows of D channels
+    if MASKED:
+        live = t < t_end
+        both = live[:, None] & (c < D)[None, :]
+        v = tl.load(values + t0 * D + inside, mask=both, other=0.0)  # (bf16: the tensor cores')
+    else:
+        live = tt < BLOCK_
+        both = live[:, None] & (c < D)[None, :]
+        if D == D_PAD:
+            v = tl.load(values + t0 * D + inside)
+        else:
+            v = tl.load(values + t0 * D + inside, mask=both, other=0.0)
+    s = tl.full((ROWS_, BLOCK_), float("-inf"), tl.float32)
+    for m in range(0, n_dense):  # dense keys: rows of D channels, like the values
+        seg = tl.load(head_ptr + tl.load(heads + m) * 7)
+        start = (tl.load(seg_ptr + seg * 11 + 2) - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
+        if VALIGN:
+            start = tl.multiple_of(start, 16 // ESIZE)
+        rows = elem_ptr + start + (t0 - tl.load(seg_ptr + seg * 11)) * D  # (from the segment's first token)
+        if MASKED or D != D_PAD:
+            k = tl.load(rows + inside, mask=both, other=0.0)
+        else:
+            k = tl.load(rows + inside)
+        if ELEM == tl.bfloat16:
+            q1, q2, q3, qa1, qa2, qa3 = qs
+            sm = _dot3(q1, q2, q3, tl.trans(k), tl.zeros((ROWS_, BLOCK_), tl.float32))
+        else:
+            sm = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+        if MASKED:
+            s = tl.where((member == m)[:, None] & live[None, :], sm, s)
+        else:
+            s = tl.where((member == m)[:, None], sm, s)
+    if TK > 0:
+        # structured keys (ThinK): each token's TK-wide row of the segment's kept channels, against the queries
+        # gathered at those channels once per program (qg): a TK-deep dot, no mask read
+        j = tl.arange(0, TK)
+        for m in range(n_dense, n_struct):
+            row = seg_ptr + tl.load(head_ptr + tl.load(heads + m) * 7) * 11
+            t_kept = tl.load(row + 1).to(tl.int32)
+            start = (tl.load(row + 2) - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
+            rows = elem_ptr + start + (t0 - tl.load(row)) * t_kept  # (from the segment's first token)
+            at = tt[:, None] * t_kept + j[None, :]
+            if MASKED:
+                k = tl.load(rows + at, mask=live[:, None] & (j < t_kept)[None, :], other=0.0)
+            else:
+                k = tl.load(rows + at, mask=(j < t_kept)[None, :], other=0.0)
+            if ELEM == tl.bfloat16:
+                g1, g2, g3 = qg
+                sm = _dot3(g1, g2, g3, tl.trans(k), tl.zeros((ROWS_, BLOCK_), tl.float32))
+            else:
+                g1, g2, g3 = qg
+                sm = tl.dot(g1, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+            if MASKED:
+                s = tl.where((member == m)[:, None] & live[None, :], sm, s)
+            else:
+                s = tl.where((member == m)[:, None], sm, s)
+    for m in range(n_struct, n_bare):  # compact keys (or AdaKV validity), pruned entries 0
+        s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
+                           D_PAD, BLOCK_, False, False)
+    for m in range(n_bare, n_plain):  # compact keys with a recovery, no signs
+        s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
+                           D_PAD, BLOCK_, False)
+    for m in range(n_plain, count):  # compact keys with signs (official recovery)
+        s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
+                           D_PAD, BLOCK_, True)
+    return _online(m_i, l_i, acc, s, v)
+
+
 @triton.jit(do_not_specialize=["n_work", "advance"],
             do_not_specialize_on_alignment=["seg_ptr", "head_ptr", "work_ptr", "list_ptr"])
 def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_ptr, ml_ptr, elem_ptr, len_ptr,
                      n_rows, q_stride, scale, n_work, advance, D: tl.constexpr, D_PAD: tl.constexpr,
                      RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr,
-                     VALIGN: tl.constexpr = False):
+                     VALIGN: tl.constexpr = False, TK: tl.constexpr = 0):
     """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor.
     ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads). Program (0, 0) also
     advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
@@ -308,13 +389,21 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     gb = tl.program_id(1).to(tl.int64)
     tl.store(len_ptr, tl.load(len_ptr) + advance, mask=(w == 0) & (gb == 0))
     real = w < n_work  # a launch with no work item still runs program (0, 0) for the length
-    item = work_ptr + w * 6
+    item = work_ptr + w * 10
     list_start = tl.load(item + 0, mask=real, other=0)
     count = tl.load(item + 1, mask=real, other=0)
     t_start = tl.load(item + 2, mask=real, other=0)
     t_end = tl.load(item + 3, mask=real, other=0)
     val_addr = tl.load(item + 4, mask=real, other=0)
     chunk = tl.load(item + 5, mask=real, other=0)
+    # the item's heads come ordered by kind (FusedTables.layout), each kind a run ending at: dense keys with every
+    # token valid; structured keys (ThinK, the item's tokens all before the recent ones); keys whose pruned entries
+    # read as 0 (no recovery term); compact keys with a recovery, without signs; with signs (to count). Each kind has
+    # its own member loop, specialised to it
+    n_dense = tl.load(item + 6, mask=real, other=0).to(tl.int32)
+    n_struct = tl.load(item + 7, mask=real, other=0).to(tl.int32)
+    n_bare = tl.load(item + 8, mask=real, other=0).to(tl.int32)
+    n_plain = tl.load(item + 9, mask=real, other=0).to(tl.int32)
     ELEM: tl.constexpr = elem_ptr.dtype.element_ty
     r = tl.arange(0, RPM * MEMBERS)
     member = (r // RPM).to(tl.int64)
@@ -332,6 +421,24 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
         qs = (q1, q2, q3, qa1, qa2, qa3)
     else:
         qs = (q, q, q, q, q, q)
+    if TK > 0:  # the structured members' queries at their kept channels (zero past them and in other rows)
+        j = tl.arange(0, TK)
+        own = row_ok & (member >= n_dense) & (member < n_struct)
+        seg_r = tl.load(head_ptr + qh_r * 7, mask=own, other=0)
+        t_r = tl.load(seg_ptr + seg_r * 11 + 1, mask=own, other=0)
+        chan_r = tl.load(seg_ptr + seg_r * 11 + 10, mask=own, other=0)
+        gm = own[:, None] & (j[None, :] < t_r[:, None])
+        CHAN: tl.constexpr = tl.uint8 if D <= 256 else tl.int16
+        chan = tl.load((chan_r[:, None] + j[None, :] * (1 if D <= 256 else 2)).to(tl.pointer_type(CHAN),
+                                                                                    bitcast=True), mask=gm, other=0)
+        gq = tl.load(q_ptr + (qh_r * q_stride + g * D)[:, None] + chan.to(tl.int64), mask=gm,
+                     other=0.0).to(tl.float32) * scale
+        if ELEM == tl.bfloat16:
+            qg = _split3(gq)
+        else:
+            qg = (gq, gq, gq)
+    else:
+        qg = (q, q, q)
     m_i = tl.full((RPM * MEMBERS,), float("-inf"), tl.float32)
     l_i = tl.zeros((RPM * MEMBERS,), tl.float32)
     acc = tl.zeros((RPM * MEMBERS, D_PAD), tl.float32)
@@ -341,51 +448,17 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     if VALIGN:
         offset = tl.multiple_of(offset, 16 // ESIZE)
     values = elem_ptr + offset
-    # the item's heads come ordered by kind (FusedTables.layout): dense keys with every token valid; keys whose
-    # pruned entries read as 0 (no recovery term); compact keys with a recovery, without signs; with signs. Each kind
-    # has its own member loop, specialised to it
-    n_dense = 0
-    n_bare = 0
-    n_plain = 0
-    for m in range(0, count):
-        hrow = head_ptr + tl.load(list_ptr + list_start + m) * 7
-        row_a = seg_ptr + tl.load(hrow) * 10
-        row_b = seg_ptr + tl.load(hrow + 1) * 10
-        mode_a = tl.load(row_a + 8)
-        mode_b = tl.load(row_b + 8)
-        bare_a = (mode_a == 3) | ((mode_a == 0) & (tl.load(row_a + 9) == 0))
-        bare_b = (mode_b == 3) | ((mode_b == 0) & (tl.load(row_b + 9) == 0))
-        n_dense += ((mode_a == 3) & (mode_b == 3) & (tl.load(hrow + 3) == 0)).to(tl.int32)
-        n_bare += (bare_a & bare_b).to(tl.int32)
-        n_plain += ((mode_a != 2) & (mode_b != 2)).to(tl.int32)
-    for t0 in range(t_start, t_end, BLOCK_):
-        t = t0 + tl.arange(0, BLOCK_).to(tl.int64)
-        live = t < t_end
-        both = live[:, None] & cm[None, :]
-        v = tl.load(values + t[:, None] * D + c[None, :], mask=both, other=0.0)  # (bf16: the tensor cores')
-        s = tl.full((RPM * MEMBERS, BLOCK_), float("-inf"), tl.float32)
-        for m in range(0, n_dense):  # dense keys: rows of D channels, like the values
-            seg = tl.load(head_ptr + tl.load(list_ptr + list_start + m) * 7)
-            start = (tl.load(seg_ptr + seg * 10 + 2) - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
-            if VALIGN:
-                start = tl.multiple_of(start, 16 // ESIZE)
-            start -= tl.load(seg_ptr + seg * 10) * D  # (the segment's first token)
-            k = tl.load(elem_ptr + start + t[:, None] * D + c[None, :], mask=both, other=0.0)
-            if ELEM == tl.bfloat16:
-                sm = _dot3(q1, q2, q3, tl.trans(k), tl.zeros((RPM * MEMBERS, BLOCK_), tl.float32))
-            else:
-                sm = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
-            s = tl.where((member == m)[:, None] & live[None, :], sm, s)
-        for m in range(n_dense, n_bare):  # compact keys (or AdaKV validity), pruned entries 0
-            s = _member_scores(s, q, qs, member, m, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
-                               ELEM, ESIZE, D, D_PAD, BLOCK_, False, False)
-        for m in range(n_bare, n_plain):  # compact keys with a recovery, no signs
-            s = _member_scores(s, q, qs, member, m, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
-                               ELEM, ESIZE, D, D_PAD, BLOCK_, False)
-        for m in range(n_plain, count):  # compact keys with signs (official recovery)
-            s = _member_scores(s, q, qs, member, m, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, t, live, c,
-                               ELEM, ESIZE, D, D_PAD, BLOCK_, True)
-        m_i, l_i, acc = _online(m_i, l_i, acc, s, v)
+    # whole blocks first, with no token masks and block-relative (32-bit) offsets; then the chunk's last, partial
+    # block, if any, masked
+    full_end = t_start + (t_end - t_start) // BLOCK_ * BLOCK_
+    for t0 in range(t_start, full_end, BLOCK_):
+        m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, list_ptr + list_start,
+                              head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, ELEM, ESIZE,
+                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, False)
+    for t0 in range(full_end, t_end, BLOCK_):
+        m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, list_ptr + list_start,
+                              head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, ELEM, ESIZE,
+                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, True)
     slot = tl.load(head_ptr + qh_r * 7 + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
@@ -476,6 +549,7 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
                  q.stride(0), scale, tables.n_work, advance),
                 dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK[elem.element_size()],
                      ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
+                     TK=getattr(tables, "width", 0),
                      num_warps=PARTIAL_WARPS[elem.element_size()], num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
     rm = min(triton.next_power_of_2(n), ROWS)  # a decode step's few rows: no padding to 16
     merge = (_merge_kernel, (heads, triton.cdiv(n, rm)),
