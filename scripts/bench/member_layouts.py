@@ -1,0 +1,324 @@
+"""Key layouts for the SparK member loop of the fused decode, measured in sm_90 machine code →
+results/bench/member_layouts.json.
+
+**What it measures.** The fused decode's partials kernel (:mod:`spark_bench.storage.triton_decode`) runs, inside its
+token loop (``BLOCK_`` = 32 tokens per trip, 4 warps), one *member loop* trip per query head sharing the program's
+value reads. For a SparK row that loop is the *signed* one: kept entries placed at their channels by a 128-bit
+channel mask, the pruned channels recovered as ``√μ · Σ sign_c · qa_c`` (``qa = q · a``, the query times the
+channel's recovery scale). Here three other storage layouts of the same score, per member and token
+
+    s_r = Σ_j k_j · q_r[idx_j]  +  √μ · Σ_{c pruned} sign_c · qa_r[c]        (r: the member's 4 query rows)
+
+are written as one small Triton kernel (a member loop in a token loop, 4 warps, 32 tokens per block: a warp owns 8
+tokens, lane ``(W, TL)`` owns token ``TL``'s slots ``7W .. 7W + 6`` and groups ``8W .. 8W + 7``, the 4 rows in
+registers), compiled for sm_90 on this CPU (triton's compiler and bundled ptxas / nvdisasm, as
+:mod:`spark_bench.storage.gpu_compile` compiles the real kernel), and the member loop's own SASS instructions counted
+(the loops found by their back edges, :func:`~spark_bench.storage.gpu_compile.parse_sass`). The baseline is the real
+kernel as launched at the production shape (``Launch("partials", 128, 4)``): its token loop is the first top-level
+loop holding inner loops, its signed member loop that loop's last inner loop. Each layout's scores are also checked
+under Triton's interpreter (``TRITON_INTERPRET=1``, a child process) against a float64 torch reference: D = 128,
+26 kept channels, 3 members, 40 tokens (one full block and a partial one).
+
+**Layouts**, key bytes per token and member at D = 128 with T = 26 kept channels:
+
+* today: 52 B kept values (bf16) + 16 B channel mask + 2 B μ + 12.75 B signs (102 pruned channels × 1 bit) ≈ 83 B;
+* A: one index byte per kept channel (26 B) + the kept values (52 B), the member loop computing the kept part only —
+  the floor of any layout storing the kept part this way; charged B's 96 B, since the signs must be stored somewhere;
+* B: A + 4 sign words (16 B, bit ``c`` set: channel ``c`` pruned and positive) + μ (2 B) = 96 B; the recovery is
+  ``√μ · (2 Σ_{bit set} qa + Σ_j qa[idx_j] − Σ_c qa_c)``, the first sum from per-member nibble tables
+  (32 groups × 16 entries × 4 rows, 8 KiB a member, built once per step outside the loop);
+* C: A + one base-3 code byte per 4 channels (32 B; digit 0 kept, 1 pruned +, 2 pruned −) + μ (2 B) = 112 B; the
+  recovery is ``√μ · Σ_G LUT3[G][code_G]`` (32 groups × 81 entries × 4 rows, 41.5 KiB a member, built once per step).
+
+**Reading the result.** ``member_instructions`` are per warp per 32-token block (×4 warps per block). The estimate
+``instr_per_byte`` = (L + n·M) · warps / (BLOCK · (V + n·K)) charges the real kernel's steady token loop (L, its own
+instructions, measured here) plus n member loops (M) against the bytes the block reads: V = 256 B of bf16 values per
+token, K key bytes per member; ``one_row``: n = 1, ``four_members``: n = 4. At the bandwidth limit an H100 issues
+about 0.14 warp-instructions per byte (``scripts/bench/instructions.py``'s budget): below it the loop is
+bandwidth-bound. ``max_abs_err`` is the interpreter check's largest error (``max_abs_score`` its scale).
+``real_kernel.source``: the commit the baseline was compiled from (the working tree; marked if it had edits).
+
+    python scripts/bench/member_layouts.py [out.json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from spark_bench.storage.gpu_compile import Launch, _target, _tool, compile_launch, parse_sass  # noqa: E402
+
+D, T, BLOCK, WARPS = 128, 26, 32, 4
+SPT = -(-T // 4)                      # kept slots per lane (7: a token's 26 entries over 4 lanes, 28 slots)
+LAYOUTS = {"A": 0, "B": 1, "C": 2}
+KEY_BYTES = {"today": 52 + 16 + 2 + 102 / 8, "A": 96, "B": 96, "C": 26 + 52 + 32 + 2}
+VALUE_BYTES = 2 * D
+BUDGET = 0.14
+CHECK = dict(n_tok=40, count=3)       # the interpreter check: one full block and an 8-token partial one, 3 members
+PAD = 4096                            # elements after every store: dead tokens and padding slots read unmasked
+
+
+@triton.jit
+def _sqrt_rn(x):
+    r = tl.math.rsqrt(x)
+    y = x * r
+    y = tl.fma(tl.fma(-y, y, x), 0.5 * r, y)
+    return tl.where(x < 1.1754944e-38, 0.0, y)
+
+
+@triton.jit
+def _member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D: tl.constexpr, T: tl.constexpr,
+            LAYOUT: tl.constexpr, SPT: tl.constexpr):
+    """(32 tokens, 4 rows) scores of one member at tokens ``t0 ..`` (pointers: its token 0 / its tables). Tiles are
+    (4 warps TW, 4 lanes W, 8 lanes TL[, 4 rows]); the slot and group sums are FFMA/FADD chains in registers, one
+    2-level shuffle reduction over W at the end. Padding slots (p >= T) read the next token's index (< D) with k = 0;
+    in B, whose Σ qa[idx] needs them at the zero row D, they are masked."""
+    TW = tl.arange(0, 4)[:, None, None]
+    W = tl.arange(0, 4)[None, :, None]
+    TL = tl.arange(0, 8)[None, None, :]
+    r = tl.arange(0, 4)[None, None, None, :].to(tl.uint32)
+    tt = t0 + TW * 8 + TL
+    QW: tl.constexpr = 8 if LAYOUT == 1 else 4   # q table rows: (q_0..3) or, in B, (q_0..3, qa_0..3)
+    acc = tl.zeros((4, 4, 8, 4), tl.float32)
+    kqa = tl.zeros((4, 4, 8, 4), tl.float32)
+    for i in tl.static_range(SPT):
+        p = W * SPT + i
+        if i >= T - 3 * SPT and LAYOUT == 1:      # (only then can the last lane's slot be past T)
+            idx = tl.load(idx_b + tt * T + p, mask=p < T, other=D).to(tl.uint32)
+        else:
+            idx = tl.load(idx_b + tt * T + p).to(tl.uint32)
+        if i >= T - 3 * SPT:
+            k = tl.load(kept_b + tt * T + p, mask=p < T, other=0.0).to(tl.float32)
+        else:
+            k = tl.load(kept_b + tt * T + p).to(tl.float32)
+        ga = q_b + (idx * QW)[:, :, :, None] + r
+        acc = acc + k[:, :, :, None] * tl.load(ga)
+        if LAYOUT == 1:
+            kqa = kqa + tl.load(ga + 4)
+    if LAYOUT == 0:
+        return tl.reshape(tl.sum(acc, axis=1), (32, 4))
+    rec = tl.zeros((4, 4, 8, 4), tl.float32)
+    if LAYOUT == 1:  # lane W reads sign word W ^ 1 (the xor keeps it a 4-byte load), its groups are that word's nibbles
+        wi = W ^ 1
+        w = tl.load(sgn_b + tt * 4 + wi)
+        for i in tl.static_range(8):
+            nib = ((w >> (4 * i)) & 15).to(tl.uint32)
+            rec = rec + tl.load((lut_b + (wi * 8 + i) * 64 + nib * 4)[:, :, :, None] + r)
+        smu = _sqrt_rn(tl.maximum(tl.load(mu_b + tt).to(tl.float32), 0.0))
+        acc = acc + smu[:, :, :, None] * (kqa + 2.0 * rec)
+        qat = tl.load(qat_b + tl.arange(0, 4))
+        out = tl.sum(acc, axis=1) - tl.reshape(smu, (4, 8))[:, :, None] * qat[None, None, :]
+        return tl.reshape(out, (32, 4))
+    for i in tl.static_range(8):  # C: lane W owns code bytes (groups) 8W + i
+        G = W * 8 + i
+        code = tl.load(code_b + tt * 32 + G).to(tl.uint32)
+        rec = rec + tl.load((lut_b + G * 324 + code * 4)[:, :, :, None] + r)
+    smu = _sqrt_rn(tl.maximum(tl.load(mu_b + tt).to(tl.float32), 0.0))
+    acc = acc + smu[:, :, :, None] * rec
+    return tl.reshape(tl.sum(acc, axis=1), (32, 4))
+
+
+@triton.jit
+def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, qat_ptr, out_ptr, count, t_start,
+                  t_end, n_tok, D: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
+                  SPT: tl.constexpr):
+    """Scores (16, n_tok), rows 4m .. 4m + 3 for member m < count (-inf for the others), tokens t_start .. t_end."""
+    QW: tl.constexpr = 8 if LAYOUT == 1 else 4
+    LUTN: tl.constexpr = 32 * 16 * 4 if LAYOUT == 1 else 32 * 81 * 4
+    r16 = tl.arange(0, 16)
+    for t0 in range(t_start, t_end, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        live = t < t_end
+        s = tl.full((16, BLOCK), float("-inf"), tl.float32)
+        q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b = (q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr,
+                                                                   lut_ptr, qat_ptr)
+        for m in range(0, count):
+            sm = tl.trans(_member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D, T, LAYOUT, SPT))
+            sm16 = tl.reshape(tl.broadcast_to(sm[None, :, :], (4, 4, BLOCK)), (16, BLOCK))
+            s = tl.where((r16 // 4 == m)[:, None] & live[None, :], sm16, s)
+            q_b += (D + 1) * QW
+            idx_b += n_tok * T
+            kept_b += n_tok * T
+            mu_b += n_tok
+            sgn_b += n_tok * 4
+            code_b += n_tok * 32
+            lut_b += LUTN
+            qat_b += 4
+        tl.store(out_ptr + r16[:, None] * n_tok + t[None, :], s, mask=live[None, :])
+
+
+def stores(n_tok: int, count: int, seed: int = 0) -> dict:
+    """Random members in every layout's storage (each padded by PAD zeros), the per-step tables, and the float64
+    reference scores (16, n_tok): ``ref`` (kept + recovered), ``ref_kept`` (A's)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(count, 4, D, generator=g) * 0.3
+    qa = q * (torch.rand(count, 1, D, generator=g) + 0.5)
+    order = torch.stack([torch.randperm(D, generator=g)[:T] for _ in range(count * n_tok)]).view(count, n_tok, T)
+    sign = torch.where(torch.rand(count, n_tok, D, generator=g) < 0.5, 1.0, -1.0)
+    sign.scatter_(2, order, 0.0)                                              # 0 at kept channels
+    kvals = (torch.randn(count, n_tok, T, generator=g) * 2).bfloat16()
+    mu = (torch.rand(count, n_tok, generator=g) * 3).bfloat16()
+    ref_kept = torch.full((16, n_tok), float("-inf"), dtype=torch.float64)
+    ref = ref_kept.clone()
+    for m in range(count):
+        kept = (q[m].double()[:, order[m]] * kvals[m].double()).sum(-1)      # (4, n_tok)
+        ref_kept[4 * m:4 * m + 4] = kept
+        ref[4 * m:4 * m + 4] = kept + mu[m].double().sqrt() * (sign[m].double() @ qa[m].double().T).T
+
+    def padded(x):
+        return torch.cat([x.flatten(), torch.zeros(PAD, dtype=x.dtype)])
+
+    def table(rows):  # (count, D + 1, 4): channel c's 4 query rows, row D zero (B's masked padding slots)
+        return torch.cat([rows.transpose(1, 2), torch.zeros(count, 1, 4)], 1)
+
+    bits = ((sign > 0).long().view(count, n_tok, 4, 32) << torch.arange(32)).sum(-1)
+    digits = torch.where(sign == 0, 0, torch.where(sign > 0, 1, 2)).view(count, n_tok, 32, 4)
+    groups = qa.view(count, 4, 32, 4)                                         # (m, r, G, i): channel 4G + i
+    nibble = ((torch.arange(16)[:, None] >> torch.arange(4)) & 1).float()    # (16 entries, 4 bits)
+    e = torch.arange(81)[:, None] // 3 ** torch.arange(4) % 3                 # (81 codes, 4 digits)
+    trit = torch.where(e == 1, 1.0, torch.where(e == 2, -1.0, 0.0))
+    return dict(idx=padded(order.to(torch.uint8)), kept=padded(kvals), mu=padded(mu),
+                sgn=padded(torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).int()).view(torch.uint32),
+                code=padded((digits * torch.tensor([1, 3, 9, 27])).sum(-1).to(torch.uint8)),
+                q4=padded(table(q)), q8=padded(torch.cat([table(q), table(qa)], 2)),
+                lut_B=padded(torch.einsum("ei,mrgi->mger", nibble, groups)),
+                lut_C=padded(torch.einsum("ei,mrgi->mger", trit, groups)),
+                qat=padded(qa.sum(-1)), ref=ref, ref_kept=ref_kept)
+
+
+def _arguments(layout: str, x: dict, n_tok: int, count: int, out):
+    lut = x["lut_C" if layout == "C" else "lut_B"]
+    args = (x["q8" if layout == "B" else "q4"], x["idx"], x["kept"], x["mu"], x["sgn"], x["code"], lut, x["qat"], out,
+            count, 0, n_tok, n_tok)
+    return args, dict(D=D, T=T, BLOCK=BLOCK, LAYOUT=LAYOUTS[layout], SPT=SPT)
+
+
+def _child(args: list[str], interpret: bool):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    out = subprocess.run([sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def check(layouts=tuple(LAYOUTS), n_tok: int = CHECK["n_tok"], count: int = CHECK["count"]) -> dict:
+    """Each layout's scores under Triton's interpreter vs the float64 reference: {layout: (max abs error, max |score|)}
+    (run in a child process with ``TRITON_INTERPRET=1`` unless this one has it)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return _child(["check", ",".join(layouts), str(n_tok), str(count)], interpret=True)
+    import torch
+
+    x, result = stores(n_tok, count), {}
+    for layout in layouts:
+        out = torch.zeros(16, n_tok)
+        args, kwargs = _arguments(layout, x, n_tok, count, out)
+        member_kernel[(1,)](*args, **kwargs)
+        ref = x["ref_kept" if layout == "A" else "ref"]
+        live = torch.isfinite(ref)
+        assert torch.equal(live, torch.isfinite(out.double())), f"{layout}: absent members' rows differ"
+        result[layout] = ((out.double() - ref)[live].abs().max().item(), ref[live].abs().max().item())
+    return result
+
+
+def token_and_member(sass: str):
+    """(token loop's own instructions, its last inner loop's: the member loop) — the token loop being the first
+    top-level loop holding inner loops."""
+    instructions, loops = parse_sass(sass)
+    token = next(loop for loop in loops if loop.inner)
+    return len(token.own(instructions)), len(token.inner[-1].own(instructions))
+
+
+def measure(layout: str, arch: int = 90) -> dict:
+    """Compile ``layout``'s kernel for ``sm_<arch>`` (4 warps, one stage) as Triton's launcher binds it; registers,
+    spill bytes, token- and member-loop instructions (in a child process without the interpreter if this one runs
+    it)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _child(["measure", layout, str(arch)], interpret=False)
+    import torch
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    n_tok, count = 64, 3
+    args, kwargs = _arguments(layout, stores(n_tok, count), n_tok, count, torch.zeros(16, n_tok))
+    kwargs.update(num_warps=WARPS, num_stages=1, maxnreg=255)
+    backend = make_backend(_target(arch))
+    binder = create_function_from_signature(member_kernel.signature, member_kernel.params, backend)
+    bound, specialisation, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = member_kernel._pack_args(backend, options, bound, specialisation, options)
+    compiled = triton.compile(ASTSource(member_kernel, signature, constexprs, attrs), target=_target(arch),
+                              options=options.__dict__)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        Path(ptx).write_text(compiled.asm["ptx"])
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        report = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", ptx, "-o", "/dev/null"],
+                                capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
+    token, member = token_and_member(sass)
+    return dict(registers=int(re.search(r"Used (\d+) registers", report).group(1)),
+                spill_bytes=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+                token_loop_instructions=token, member_instructions=member)  # (token loop: this kernel's own)
+
+
+def instr_per_byte(token: int, member: int, key_bytes: float, members: int, warps: int, block: int) -> float:
+    return round((token + members * member) * warps / (block * (VALUE_BYTES + members * key_bytes)), 4)
+
+
+def main(out: str = "results/bench/member_layouts.json") -> None:
+    real = compile_launch(Launch("partials", 128, 4), 90, sass=True)
+    token, signed = token_and_member(real.sass)
+    warps, block = real.num_warps, real.constants["BLOCK_"]
+    rows = {"today": dict(registers=real.registers, spill_bytes=real.spill_bytes, member_instructions=signed)}
+    rows.update({layout: {k: v for k, v in measure(layout).items() if k != "token_loop_instructions"}
+                 for layout in LAYOUTS})
+    errors = check()
+    for name, row in rows.items():
+        row["key_bytes_per_token"] = KEY_BYTES[name]
+        row["instr_per_byte"] = {label: instr_per_byte(token, row["member_instructions"], KEY_BYTES[name], n, warps,
+                                                       block) for label, n in (("one_row", 1), ("four_members", 4))}
+        row["max_abs_err"], row["max_abs_score"] = errors.get(name, (None, None))
+    git = ["git", "-C", str(Path(__file__).resolve().parents[2])]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "spark_bench/storage"], capture_output=True,
+                           text=True).stdout.strip()
+    result = dict(arch=90, real_kernel=dict(source=head + (" + uncommitted spark_bench/storage edits" if dirty else ""),
+                                            launch="partials, head_dim 128, group 4, bf16, q_len 1", warps=warps,
+                                            block=block, registers=real.registers, token_loop_instructions=token),
+                  value_bytes_per_token=VALUE_BYTES, budget=BUDGET, check=dict(head_dim=D, kept=T, **CHECK),
+                  formula="(token_loop + n * member) * warps / (block * (value_bytes + n * key_bytes)), n = 1, 4",
+                  variants=rows)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"sm_90, token loop {token} instructions/warp, {warps} warps × {block} tokens; budget {BUDGET} instr/B")
+    print(f"{'layout':7}{'regs':>5}{'spill':>6}{'member':>8}{'key B':>7}{'1 row':>8}{'4 memb':>8}{'max err':>10}")
+    for name, row in rows.items():
+        err = "-" if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
+        print(f"{name:7}{row['registers']:>5}{row['spill_bytes']:>6}{row['member_instructions']:>8}"
+              f"{row['key_bytes_per_token']:>7.2f}{row['instr_per_byte']['one_row']:>8.3f}"
+              f"{row['instr_per_byte']['four_members']:>8.3f}{err:>10}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:  # check / measure in a child process: one JSON line
+        what, *rest = sys.argv[2:]
+        if what == "check":
+            print(json.dumps(check(tuple(rest[0].split(",")), int(rest[1]), int(rest[2]))))
+        else:
+            print(json.dumps(measure(rest[0], int(rest[1]))))
+    else:
+        main(*sys.argv[1:])
