@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from spark_bench.storage.gpu_compile import Launch, compile_launch, i32_address_multiplies, parse_sass
+from spark_bench.storage.gpu_compile import Launch, compile_launch, guarded, i32_address_multiplies, parse_sass
 
 pytest.importorskip("triton")
 
@@ -41,10 +41,13 @@ SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
 .L_x_1:
         /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0018*/               @P2 BRA `(.L_x_3) ;
+        /*0019*/                   MOV R8, RZ ;
 .L_x_0:
         /*0020*/                   FFMA R8, R4, R5, R8 ;
         /*0030*/                   LDG.E.U16 R9, desc[UR4][R2.64] ;
         /*0040*/               @P0 BRA `(.L_x_0) ;
+.L_x_3:
         /*0050*/                   IADD3 R2, R2, 0x10, RZ ;
         /*0060*/               @P1 BRA `(.L_x_1) ;
         /*0070*/                   EXIT ;
@@ -55,14 +58,17 @@ SASS = """
 
 
 def test_loops_are_found_by_their_back_edges():
-    """A loop nested in another, the end-of-kernel self-loop not a loop, NOPs not counted."""
-    instructions, loops = parse_sass(SASS)
-    assert len(instructions) == 9 and len(loops) == 1
+    """A loop nested in another, the end-of-kernel self-loop not a loop, NOPs not counted; the instructions that
+    run only when the inner loop runs (after the branch that skips it) are its guarded preamble."""
+    labels = {}
+    instructions, loops = parse_sass(SASS, labels)
+    assert len(instructions) == 11 and len(loops) == 1
     outer = loops[0]
-    assert (outer.start, outer.end) == (1, 6) and len(outer.inner) == 1
-    assert outer.own(instructions) == ["LDG.E.128 R4, desc[UR4][R2.64]", "IADD3 R2, R2, 0x10, RZ",
-                                       "@P1 BRA `(.L_x_1)"]
+    assert (outer.start, outer.end) == (1, 8) and len(outer.inner) == 1
+    assert outer.own(instructions) == ["LDG.E.128 R4, desc[UR4][R2.64]", "@P2 BRA `(.L_x_3)", "MOV R8, RZ",
+                                       "IADD3 R2, R2, 0x10, RZ", "@P1 BRA `(.L_x_1)"]
     assert len(outer.inner[0].own(instructions)) == 3
+    assert [instructions[i] for i in guarded(instructions, labels, outer, outer.inner[0])] == ["MOV R8, RZ"]
 
 
 def test_the_instruction_budget_script_reads_a_launched_kernel():
@@ -87,7 +93,11 @@ def test_the_instruction_budget_script_reads_a_launched_kernel():
     item = {"members": 2, "kinds": ["dense", "signed"], "tokens": 1024, "chunk": 1024, "programs": 1, "heads": 1,
             "bytes_per_token": 600, "key_bytes_per_token": [256, 88], "value_bytes_per_token": 256}
     p = bench.model_partials(k, [item], bench.DEVICES[90])
-    per_block = token["instructions"] + kinds["dense"]["instructions"] + kinds["signed"]["instructions"]
+    # the token loop's own instructions: those every block runs, and each member loop's guarded preamble (skipped
+    # with its loop when the item has no member of that kind)
+    assert token["common"] + sum(kinds[x]["guard"] for x in kinds) == token["instructions"]
+    assert all(kinds[x]["guard"] > 0 for x in kinds)
+    per_block = token["common"] + sum(kinds[x]["guard"] + kinds[x]["instructions"] for x in ("dense", "signed"))
     block = k["constants"]["BLOCK_"]
     assert p["bytes"] == 1024 * 600
     assert p["instr_per_byte_loop"] == pytest.approx(k["num_warps"] * per_block / (block * 600), abs=1e-4)

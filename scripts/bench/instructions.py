@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from spark_bench.storage.gpu_compile import Launch, compile_launch, load_widths, parse_sass  # noqa: E402
+from spark_bench.storage.gpu_compile import Launch, compile_launch, guarded, load_widths, parse_sass  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,21 @@ def ctas_per_sm(registers: int, warps: int, shared: int, device: Device) -> int:
 def kernel_figures(launch: Launch, arch: int) -> dict:
     """Registers, spills, occupancy and the loops' static instruction counts of one launched specialisation."""
     c = compile_launch(launch, arch, sass=True)
-    instructions, loops = parse_sass(c.sass)
+    labels: dict = {}
+    instructions, loops = parse_sass(c.sass, labels)
 
-    def describe(loop) -> dict:
+    def describe(loop, outer=None) -> dict:
         own = loop.own(instructions)
+        inner = [describe(x, loop) for x in loop.inner]
         return {"instructions": len(own), "global_loads": load_widths(own),
                 "shared_loads": sum(" LDS" in f" {x}" for x in own), "shuffles": sum("SHFL" in x for x in own),
                 "barriers": sum("BAR" in x for x in own), "ffma": sum(x.split()[0].lstrip("@!P0123456789T ")
                                                                      .startswith("FFMA") for x in own),
                 "tensor_core": sum(any(k in x for k in ("HMMA", "HGMMA")) for x in own),
-                "inner": [describe(x) for x in loop.inner]}
+                # of the enclosing loop's own instructions, those that run only when this loop runs (skipped with
+                # it when it has no trip to make); the rest of a loop's own instructions run every iteration
+                "guard": len(guarded(instructions, labels, outer, loop)) if outer is not None else 0,
+                "common": len(own) - sum(x["guard"] for x in inner), "inner": inner}
 
     in_loops = sum(loop.end - loop.start + 1 for loop in loops)
     return {"kernel": launch.kernel, "arch": arch, "constants": c.constants, "registers": c.registers,
@@ -253,8 +258,12 @@ def model_partials(k: dict, items: list[dict], device: Device) -> dict:
         member_kinds = it.get("kinds") or ["signed"] * it["members"]
 
         def per_block(loop, loops):
-            return loop["instructions"] + sum(loops[kind]["instructions"] for kind in member_kinds
-                                              if loops[kind] is not None)
+            """The token loop's instructions that run every block, and each member's loop; a kind's guarded
+            preamble once if the item has a member of that kind."""
+            own = loop.get("common", loop["instructions"])
+            present = {kind for kind in member_kinds if loops[kind] is not None}
+            return own + sum(loops[kind].get("guard", 0) for kind in present) + sum(
+                loops[kind]["instructions"] for kind in member_kinds if loops[kind] is not None)
 
         in_loops = whole * per_block(token, kinds) + partial * per_block(last, last_kinds)
         loop_instr += warps * in_loops

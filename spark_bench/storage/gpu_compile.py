@@ -182,11 +182,12 @@ class Loop:
         return [instructions[i] for i in range(self.start, self.end + 1) if i not in skip]
 
 
-def parse_sass(sass: str) -> tuple[list[str], list[Loop]]:
+def parse_sass(sass: str, labels: dict | None = None) -> tuple[list[str], list[Loop]]:
     """``nvdisasm -c`` text → (instructions in address order, outermost loops): a loop is the range from a branch
     target to a ``BRA`` back to it (a one-instruction self-loop, the end-of-kernel trap, is not one); loops inside
-    another are its ``inner``."""
-    instructions, labels, branches = [], {}, []
+    another are its ``inner``. ``labels``, when given, receives each branch label's instruction index."""
+    instructions, branches = [], []
+    labels = {} if labels is None else labels
     for line in sass.splitlines():
         label = re.match(r"^(\.L_x_\d+):", line.strip())
         if label:
@@ -212,6 +213,17 @@ def parse_sass(sass: str) -> tuple[list[str], list[Loop]]:
         return out
 
     return instructions, nest(spans)
+
+
+def guarded(instructions: list[str], labels: dict, outer: Loop, inner: Loop) -> list[int]:
+    """The instructions of ``outer`` that run only when ``inner`` runs: those between the conditional branch that
+    jumps past ``inner`` (a loop with no trip to make is skipped) and ``inner``'s first instruction."""
+    floor = max([x.end for x in outer.inner if x.end < inner.start], default=outer.start)
+    for i in range(inner.start - 1, floor, -1):
+        target = re.search(r"^@!?U?P\d+ BRA `?\(?(\.L_x_\d+)", instructions[i])
+        if target and labels.get(target.group(1), -1) > inner.end:
+            return list(range(i + 1, inner.start))
+    return []
 
 
 def load_widths(instructions: list[str]) -> dict[int, int]:

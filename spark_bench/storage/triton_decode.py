@@ -25,10 +25,15 @@ float32 stores rebuild the float32 keys and use an FMA dot (``input_precision=DO
 
 Rows sharing a value tensor (configs with the same eviction selection) are stacked into the rows of one program
 (``MEMBERS × ROWS_PER_MEMBER ≤ ROWS``): each value block is loaded once for all of them. A program's heads come
-sorted by kind (:class:`~spark_bench.storage.segments.FusedTables`), and each kind has its own member loop inside the
-token loop, specialised to it: dense keys (eviction only, a full row: rows of ``D`` channels loaded like the values),
-keys whose pruned entries read as 0 (ThinK, SparK's zero/none recoveries, AdaKV rows: no recovery term), compact keys
-with a recovery without signs (SparK's paper/constant recoveries), with signs (SparK's official recovery). A member's
+sorted by kind (:class:`~spark_bench.storage.segments.FusedTables`, per work item), and each kind has its own member
+loop inside the token loop, specialised to it: dense keys (eviction only, a full row: rows of ``D`` channels loaded
+like the values); structured keys (ThinK's channel subset, in work items before its recent dense tokens: each token's
+``T`` kept entries against the queries gathered at those channels once per program, a ``TK``-deep dot, no mask read);
+keys whose pruned entries read as 0 (SparK's zero/none recoveries, AdaKV rows, ThinK's item holding its recent
+tokens: no recovery term); compact keys with a recovery without signs (SparK's paper/constant recoveries); with signs
+(SparK's official recovery). Whole blocks run unmasked, addressed by 32-bit offsets from the block's first row; a
+chunk's last, partial block runs masked in a second loop. Softmax weights are ``2^(s·log₂e − m·log₂e)``
+(``ex2.approx.ftz``) and their row sums are kept per column until the chunk ends. A member's
 table row is read as scalars (L1-resident), never picked out of registers. Values (and dense keys) are addressed
 from the typed element pointer plus a 64-bit offset that the tables state is 16-byte aligned (``VALIGN``): 16-byte
 loads. The machine code's instruction budget is measured by ``scripts/bench/instructions.py``
@@ -130,13 +135,12 @@ def _split3(a):
 
 @triton.jit
 def _dot3(a1, a2, a3, b, acc):
-    """``acc + (a₁ + a₂ + a₃) · b`` on the tensor cores, float32 accumulation (:func:`_split3`). The three dots
-    accumulate apart and are joined by ``fma(d₂, 1, d₁) + d₃`` (exactly ``d₁ + d₂ + d₃``): Triton would fold a plain
-    sum into one accumulator chain, which ptxas pads for sm_90 with no-op instructions between dependent HMMAs."""
+    """``acc + (a₁ + a₂ + a₃) · b`` on the tensor cores, float32 accumulation (:func:`_split3`): ``a₁ · b`` into
+    ``acc`` and ``a₂ · b + a₃ · b`` in a second accumulator, joined once (``d₁ + d₂₃``): two independent chains, so
+    ptxas has no dependent HMMAs to pad with no-op instructions on sm_90 as it does for one chain of all three."""
     d1 = tl.dot(a1, b, acc)
-    d2 = tl.dot(a2, b)
-    d3 = tl.dot(a3, b)
-    return tl.fma(d2, 1.0, d1) + d3
+    d23 = tl.dot(a2, b, tl.dot(a3, b))
+    return d1 + d23
 
 
 @triton.jit
@@ -247,14 +251,30 @@ def _split_dot(a, b, acc):
 
 
 @triton.jit
+def _exp2(x):
+    """``2ˣ`` by the GPU's ``ex2.approx.ftz`` (what ``tl.exp`` issues, less the subnormal fix-up around it: a
+    weight below 2⁻¹²⁶ flushes to 0); ``tl.exp2`` under the CPU interpreter."""
+    if INTERPRET:
+        return tl.exp2(x)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
 def _online(m_i, l_i, acc, s, v, DOT: tl.constexpr = True):
     """One online-softmax step: fold logits ``s (rows, n)`` and their values ``v (n, D)`` into the running max
-    ``m_i``, sum ``l_i`` and ``acc = Σ exp(s − m) · v`` (rows fully masked so far keep ``m = −inf``, weight 0)."""
+    ``m_i``, sum ``l_i`` and ``acc = Σ exp(s − m) · v`` (rows fully masked so far keep ``m = −inf``, weight 0).
+    ``exp(x − m) = 2^(x·log₂e − m·log₂e)``: one FMA and one ``ex2`` per weight. ``l_i`` may be a ``(rows, n)`` tile
+    of per-column partial sums (summed once, at the end: no reduction across warps per block) or ``(rows,)``."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) * 1.4426950408889634
+    alpha = _exp2(m_i * 1.4426950408889634 - m_safe)
+    p = _exp2(s * 1.4426950408889634 - m_safe[:, None])
+    if len(l_i.shape) == 2:
+        l_i = l_i * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
     if v.dtype == tl.bfloat16:  # bfloat16 values: tensor cores, float32 products and sums
         acc = _split_dot(p, v, acc * alpha[:, None])
     elif DOT:
@@ -440,7 +460,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     else:
         qg = (q, q, q)
     m_i = tl.full((RPM * MEMBERS,), float("-inf"), tl.float32)
-    l_i = tl.zeros((RPM * MEMBERS,), tl.float32)
+    l_i = tl.zeros((RPM * MEMBERS, BLOCK_), tl.float32)  # per-column partial sums (one reduction, at the end)
     acc = tl.zeros((RPM * MEMBERS, D_PAD), tl.float32)
     # the values as an offset from a typed, 16-byte aligned base pointer (the element-type argument): its
     # alignment and the offset's (a multiple of 16 bytes, VALIGN) give 16-byte loads
@@ -463,7 +483,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
     tl.store(ml_ptr + at * 2, m_i, mask=row_ok)
-    tl.store(ml_ptr + at * 2 + 1, l_i, mask=row_ok)
+    tl.store(ml_ptr + at * 2 + 1, tl.sum(l_i, axis=1), mask=row_ok)
 
 
 @triton.jit
