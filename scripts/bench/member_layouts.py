@@ -31,8 +31,8 @@ under Triton's interpreter (``TRITON_INTERPRET=1``, a child process) against a f
   recovery is ``√μ · Σ_G LUT3[G][code_G]`` (32 groups × 81 entries × 4 rows, 41.5 KiB a member, built once per step).
 
 **Reading the result.** ``member_instructions`` are per warp per 32-token block (×4 warps per block). The estimate
-``instr_per_byte`` = (L + n·M) · warps / (BLOCK · (V + n·K)) charges the real kernel's steady token loop (L, its own
-instructions, measured here) plus n member loops (M) against the bytes the block reads: V = 256 B of bf16 values per
+``instr_per_byte`` = (L + n·M) · warps / (BLOCK · (V + n·K)) charges the real kernel's steady token loop (L, the
+instructions a block of SparK members runs, measured here) plus n member loops (M) against the bytes the block reads: V = 256 B of bf16 values per
 token, K key bytes per member; ``one_row``: n = 1, ``four_members``: n = 4. At the bandwidth limit an H100 issues
 about 0.14 warp-instructions per byte (``scripts/bench/instructions.py``'s budget): below it the loop is
 bandwidth-bound. ``max_abs_err`` is the interpreter check's largest error (``max_abs_score`` its scale).
@@ -56,7 +56,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from spark_bench.storage.gpu_compile import Launch, _target, _tool, compile_launch, parse_sass  # noqa: E402
+from spark_bench.storage.gpu_compile import Launch, _target, _tool, compile_launch, guarded, parse_sass  # noqa: E402
 
 D, T, BLOCK, WARPS = 128, 26, 32, 4
 SPT = -(-T // 4)                      # kept slots per lane (7: a token's 26 entries over 4 lanes, 28 slots)
@@ -234,11 +234,15 @@ def check(layouts=tuple(LAYOUTS), n_tok: int = CHECK["n_tok"], count: int = CHEC
 
 
 def token_and_member(sass: str):
-    """(token loop's own instructions, its last inner loop's: the member loop) — the token loop being the first
-    top-level loop holding inner loops."""
-    instructions, loops = parse_sass(sass)
+    """(token loop's instructions a block of the last member loop's kind runs, that member loop's) — the token loop
+    being the first top-level loop holding inner loops: its own instructions less the guarded preambles of the member
+    loops that do not run (:func:`~spark_bench.storage.gpu_compile.guarded`, as ``scripts/bench/instructions.py``
+    counts them)."""
+    labels: dict = {}
+    instructions, loops = parse_sass(sass, labels)
     token = next(loop for loop in loops if loop.inner)
-    return len(token.own(instructions)), len(token.inner[-1].own(instructions))
+    skipped = sum(len(guarded(instructions, labels, token, x)) for x in token.inner[:-1])
+    return len(token.own(instructions)) - skipped, len(token.inner[-1].own(instructions))
 
 
 def measure(layout: str, arch: int = 90) -> dict:
