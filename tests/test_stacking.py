@@ -91,6 +91,17 @@ def test_cpp_segment_stack_equals_reference(head_dim, group, dtype):
     _check_stack(dispatch.stack_logits(stack, queries), stores, queries, 1e-4)
 
 
+def test_a_segment_too_long_for_32_bit_offsets_is_refused():
+    """The fused kernel's offsets inside a segment are 32-bit: the tables refuse a segment of 2³¹ entries or more
+    (here 2²⁴ tokens × 128 channels) in one line, before any address is read."""
+    from types import SimpleNamespace
+
+    keys = SimpleNamespace(head_dim=128, _rows=[(0, 0, 1 << 24, 26, 0, 0, 0, 0, 1, -1, 0, -1, 0, 0)], _fills=[0.0],
+                           _chans=[(-1, 0)])
+    with pytest.raises(ValueError, match="32-bit"):
+        FusedTables.layout(keys, None, [None], 4)
+
+
 def test_segment_stack_reads_the_rows_stores_in_place():
     """A stack copies nothing: its parts are the stores' own tensors (views), and the fused kernel's tables hold
     addresses into those same tensors, so decoding holds the compressed data once on every device."""

@@ -178,7 +178,8 @@ def work_items(model, configs, prompt: int, members: int, layer: int = 0) -> lis
                 batch = tuple(kinds[i:i + members])
                 item = merged.setdefault((batch, t1 - t0, value_bytes), {
                     "members": len(batch), "kinds": [k for k, _ in batch], "tokens": 0, "chunk": t1 - t0,
-                    "programs": 0, "heads": arch.num_kv_heads, "bytes_per_token": value_bytes + sum(b for _, b in batch),
+                    "programs": 0, "heads": arch.num_kv_heads,
+                    "bytes_per_token": value_bytes + sum(b for _, b in batch),
                     "key_bytes_per_token": [b for _, b in batch], "value_bytes_per_token": value_bytes})
                 item["tokens"] += t1 - t0
                 item["programs"] += arch.num_kv_heads

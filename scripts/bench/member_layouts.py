@@ -32,8 +32,8 @@ under Triton's interpreter (``TRITON_INTERPRET=1``, a child process) against a f
 
 **Reading the result.** ``member_instructions`` are per warp per 32-token block (×4 warps per block). The estimate
 ``instr_per_byte`` = (L + n·M) · warps / (BLOCK · (V + n·K)) charges the real kernel's steady token loop (L, the
-instructions a block of SparK members runs, measured here) plus n member loops (M) against the bytes the block reads: V = 256 B of bf16 values per
-token, K key bytes per member; ``one_row``: n = 1, ``four_members``: n = 4. At the bandwidth limit an H100 issues
+instructions a block of SparK members runs, measured here) plus n member loops (M) against the bytes the block
+reads: V = 256 B of bf16 values per token, K key bytes per member; ``one_row``: n = 1, ``four_members``: n = 4. At the bandwidth limit an H100 issues
 about 0.14 warp-instructions per byte (``scripts/bench/instructions.py``'s budget): below it the loop is
 bandwidth-bound. ``max_abs_err`` is the interpreter check's largest error (``max_abs_score`` its scale).
 ``real_kernel.source``: the commit the baseline was compiled from (the working tree; marked if it had edits).

@@ -294,6 +294,9 @@ class FusedTables:
         widest = 0  # the widest structured segment (the kernel's TK)
         for row, fill, (cp, co) in zip(keys._rows, keys._fills, keys._chans):
             qh, out_off, n, t, kp, ko, mp, mo, ms, up, uo, sp, so, mode = row
+            if n * keys.head_dim >= 1 << 31:
+                raise ValueError(f"a key segment of {n} tokens × {keys.head_dim} channels: the fused decode's offsets "
+                                 "inside a segment are 32-bit (at most 2³¹ entries)")
             seg_rows.append([out_off, t, _address(keys.kept_parts[kp], ko),
                              _address(keys.mask_parts[mp], mo * d8) if mp >= 0 else 0, ms,
                              _address(keys.mu_parts[up], uo) if up >= 0 else 0,

@@ -154,31 +154,40 @@ def _segment(seg_ptr, s):
 
 @triton.jit
 def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
-          D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SIGNS: tl.constexpr = True, RECOVER: tl.constexpr = True):
+          D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SIGNS: tl.constexpr = True, RECOVER: tl.constexpr = True,
+          SECOND: tl.constexpr = False):
     """The keys ``(BLOCK, D_PAD)`` of one query head at tokens ``t`` as two parts: the kept entries at their channels
     (0 elsewhere, the stores' dtype) and, per token, the recovery scale (``f``, ``μ_t`` or ``sqrt(μ_t)``) with the
     pruned entries' signs ``S`` (±1 with signs, 1 without, 0 at kept entries; bfloat16, exact): the rebuilt key is
     ``k + scale · S ∘ a``. ``a``: its segment's table row (:func:`_segment`, scalars); from token ``split`` on, a
     second segment of dense keys (ThinK's recent tokens: every channel kept) at ``b_kept`` (its first token
-    ``b_off``). Without ``RECOVER`` (a layout whose pruned entries read as 0) only the kept entries are read.
+    ``b_off``), read only with ``SECOND`` (the generic loop's heads: ThinK's, AdaKV's dense rows; a SparK head has
+    one compact segment). Without ``RECOVER`` (a layout whose pruned entries read as 0) only the kept entries are
+    read. Offsets inside a segment are 32-bit (:meth:`~spark_bench.storage.segments.FusedTables.layout` refuses a
+    segment of 2³¹ entries or more).
 
     A channel's rank among the token's kept entries comes from the mask read as 32-bit words: ``x = word << (31 − c
     mod 32)`` holds the word's bits up to ``c`` (its top bit: ``c`` kept), so ``rank + kept = popc(x) +`` the kept
     channels of the words before (``POPC``, no scan over the channels)."""
     out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill = a
     fill = fill.to(tl.int32).to(tl.float32, bitcast=True)
-    first = t < split
-    local = t.to(tl.int64) - out_off  # the token's index inside its (first) segment
+    t_kept = t_kept.to(tl.int32)
+    local = (t - out_off).to(tl.int32)  # the token's index inside its (first) segment (offsets in it: 32-bit)
     cm = c < D
     both = live[:, None] & cm[None, :]
-    compact = first & ((t * 0 + mode) != 3)  # a token with a mask (else every channel kept)
+    if SECOND:
+        first = t < split
+        compact = first & ((t * 0 + mode) != 3)  # a token with a mask (else every channel kept)
+    else:  # (a compact segment alone: every token has a mask)
+        first = live
+        compact = live
     # the mask: D/8 bytes per token (little-endian bits), read as NW 32-bit words (bytes past D/8 read as 0); a
     # dense token's words have every channel's bit set
     NW: tl.constexpr = D_PAD // 32
     wi = tl.arange(0, NW)
     bi = tl.arange(0, 4)
     at = wi[:, None] * 4 + bi[None, :]
-    masks = (mask_addr + local * (mask_stride * (D // 8))).to(tl.pointer_type(tl.uint8), bitcast=True)
+    masks = mask_addr.to(tl.pointer_type(tl.uint8), bitcast=True) + local * (mask_stride.to(tl.int32) * (D // 8))
     byte = tl.load(masks[:, None, None] + at[None, :, :], mask=(live & compact)[:, None, None] & (at < D // 8)[None],
                    other=0).to(tl.uint32)
     words = tl.sum(byte << (8 * bi).to(tl.uint32)[None, None, :], axis=2)  # disjoint bits: the sum is their OR
@@ -194,14 +203,18 @@ def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.con
     inword = _popc(x)  # kept channels of c's word up to c
     upto = below + inword  # kept channels up to c: rank + kept
     # the token's kept row, one entry before it (indexed by rank + 1 where kept)
-    rows = tl.where(first, kept_addr + (local - 1) * t_kept * ESIZE + (t_kept - 1) * ESIZE,
-                    b_kept + (t.to(tl.int64) - b_off) * (D * ESIZE) - ESIZE)
-    k = tl.load(rows.to(tl.pointer_type(ELEM), bitcast=True)[:, None] + upto, mask=both & kept, other=0.0)
+    if SECOND:
+        rows = tl.where(first, kept_addr + (local - 1).to(tl.int64) * t_kept * ESIZE + (t_kept - 1) * ESIZE,
+                        b_kept + (t.to(tl.int64) - b_off) * (D * ESIZE) - ESIZE)
+        k = tl.load(rows.to(tl.pointer_type(ELEM), bitcast=True)[:, None] + upto, mask=both & kept, other=0.0)
+    else:
+        rows = kept_addr.to(tl.pointer_type(ELEM), bitcast=True) + (local * t_kept - 1)
+        k = tl.load(rows[:, None] + upto, mask=both & kept, other=0.0)
     pruned = both & ~kept
     if not RECOVER:
         return k, tl.zeros((BLOCK_T,), tl.float32), tl.zeros((BLOCK_T, D_PAD), tl.bfloat16)
     if (mode == 1) | (mode == 2):
-        mu = tl.load((mu_addr + local * ESIZE).to(tl.pointer_type(ELEM), bitcast=True), mask=live & first,
+        mu = tl.load(mu_addr.to(tl.pointer_type(ELEM), bitcast=True) + local, mask=live & first,
                      other=0.0).to(tl.float32)
         scale = tl.where(mode == 1, mu, _sqrt_rn(tl.maximum(mu, 0.0)))
     else:
@@ -210,7 +223,7 @@ def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.con
         # the token's pruned signs are consecutive bits from ``bits`` (pruned-rank order); word w's pruned channels'
         # from ``bits + 32w − before_w``: read as one 32-bit window per word (two aligned words, each loaded only
         # where it holds one of them), so a channel's sign is bit ``c mod 32 − popc(x)`` of its word's window
-        bits = sign_bitoff + local * (D - t_kept) + (sign_addr & 3) * 8  # from the 4-byte aligned base
+        bits = sign_bitoff + (local * (D - t_kept)).to(tl.int64) + (sign_addr & 3) * 8  # (4-byte aligned base)
         base = sign_addr - (sign_addr & 3)
         start = bits[:, None] + (wi * 32)[None, :] - before
         n = tl.minimum(tl.maximum(D - wi * 32, 0), 32)[None, :] - counts  # pruned channels of word w
@@ -297,7 +310,7 @@ def _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, li
     hrow = head_ptr + qh * 7
     b = seg_ptr + tl.load(hrow + 1) * 11  # (a second segment is a run of dense keys: FusedTables.layout)
     k, scale, sign = _keys(_segment(seg_ptr, tl.load(hrow)), tl.load(b + 2), tl.load(b), tl.load(hrow + 2), t, live,
-                           c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS, RECOVER)
+                           c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS, RECOVER, not RECOVER)
     if ELEM == tl.bfloat16:
         q1, q2, q3, qa1, qa2, qa3 = qs
         init = tl.zeros((q.shape[0], BLOCK_T), tl.float32)
