@@ -90,7 +90,13 @@ def instructions_section(d: dict | None, compiled: list | None = None) -> list[s
              f"{goal['in_flight_per_sm'] // 1024} KB; value loads goal {goal['value_load_bytes']} B.", "",
              "| version | arch | scenario | partials regs / spills | CTAs/SM | loop instr/B | in flight/SM | widest load | "
              "fraction of bound (limit) | layer incl. merge |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for label in ("before", "after"):
+    versions = {"before": "the kernel as issue 43 found it (its own model: every static instruction of the loops)",
+                "previous": "4f5cf03, the first rework (tensor-core scores, POPC ranks, 2 CTAs/SM)",
+                "after": "now (ThinK's structured loop, unmasked whole blocks, ex2 weights, tensor-core tail merge)"}
+    lines[-2:-2] = [f"Versions: {', '.join(f'**{k}** = {v}' for k, v in versions.items() if k in d)}. From "
+                    "`previous` on, a block is charged what it runs: the token loop's own instructions less the "
+                    "preambles of member loops its work item has no member for.", ""]
+    for label in versions:
         r = d.get(label)
         if not r:
             continue
@@ -105,6 +111,19 @@ def instructions_section(d: dict | None, compiled: list | None = None) -> list[s
                     f"({verdict(p['instr_per_byte_loop'] <= goal['instr_per_byte'])}) | "
                     f"{p['in_flight_per_sm'] / 1024:.1f} KB | {p['widest_load_bytes']} B | "
                     f"{p['fraction_of_bound']:.0%} ({p['limited_by']}) | {row['layer_fraction_of_bound']:.0%} |")
+    layouts = load("member_layouts")
+    if layouts:
+        lines += ["", "SparK's member loop under other key layouts (`scripts/bench/member_layouts.py`, sm_90, one "
+                  "standalone kernel per layout, checked against float64 under the interpreter), charged the real "
+                  f"token loop ({layouts['real_kernel']['token_loop_instructions']} instructions per warp per block "
+                  f"at {layouts['real_kernel']['source']}):", "",
+                  "| layout | registers / spills | member loop instr/warp/block | key B/token | instr/B, one row | "
+                  "instr/B, four members | max abs error |", "|---|---|---|---|---|---|---|"]
+        for name, v in layouts["variants"].items():
+            err = "–" if v["max_abs_err"] is None else f"{v['max_abs_err']:.1e}"
+            lines.append(f"| {name} | {v['registers']} / {v['spill_bytes']} | {v['member_instructions']} | "
+                         f"{v['key_bytes_per_token']:g} | {v['instr_per_byte']['one_row']:.3f} | "
+                         f"{v['instr_per_byte']['four_members']:.3f} | {err} |")
     if compiled:
         spilled = [r for r in compiled if r["spill_bytes"]]
         lines += ["", f"- `scripts/bench/compile.py`: {len(compiled)} launched specialisations (D 64/128, bf16/fp32, "

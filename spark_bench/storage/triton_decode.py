@@ -502,22 +502,27 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
 @triton.jit
 def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, new_k_ptr, new_v_ptr, len_ptr, out_ptr,
                   n_rows, q_stride, tail_cap, q_len, g0, scale, new_k_sh, new_k_st, new_v_sh, new_v_st,
-                  D: tl.constexpr, D_PAD: tl.constexpr, RM: tl.constexpr, BLOCK_: tl.constexpr):
+                  D: tl.constexpr, D_PAD: tl.constexpr, RM: tl.constexpr, BLOCK_: tl.constexpr,
+                  RS: tl.constexpr = 0):
     """Query head ``qh``'s rows ``gb·RM …``: merge its prompt partials, attend over its decoded tail (the ``old``
     tokens in the tail buffer, then the step's ``q_len`` new ones read from ``new_k``/``new_v``, causal among
-    themselves), normalise. Programs ``(qh, 0)`` also write the new tokens into the tail buffer at ``old …``."""
+    themselves), normalise. Programs ``(qh, 0)`` also write the new tokens into the tail buffer at ``old …``.
+    bfloat16 tails score and sum on the tensor cores (:func:`_dot3`, float32 products) over ``RM = 16`` rows: a
+    decode step's few rows (``RS`` of them) merge their partials alone, then are padded to 16 (the padding masked);
+    float32 tails use FMA products over the rows there are."""
     qh = tl.program_id(0).to(tl.int64)
     gb = tl.program_id(1).to(tl.int64)
-    g = gb * RM + tl.arange(0, RM)
-    ok = g < n_rows
     c = tl.arange(0, D_PAD)
     cm = c < D
+    R: tl.constexpr = RM if RS == 0 else RS  # the partials' rows: the program's real ones (RS of RM), else RM
+    g = gb * RM + tl.arange(0, R)
+    ok = g < n_rows
     both = ok[:, None] & cm[None, :]
     slot_base = tl.load(head_ptr + qh * 7 + 4)
     n_slots = tl.load(head_ptr + qh * 7 + 5)
-    m_i = tl.full((RM,), float("-inf"), tl.float32)
-    l_i = tl.zeros((RM,), tl.float32)
-    acc = tl.zeros((RM, D_PAD), tl.float32)
+    m_i = tl.full((R,), float("-inf"), tl.float32)
+    l_i = tl.zeros((R,), tl.float32)
+    acc = tl.zeros((R, D_PAD), tl.float32)
     for k in range(0, n_slots):
         at = (slot_base + k) * n_rows + g
         pm = tl.load(ml_ptr + at * 2, mask=ok, other=float("-inf"))
@@ -530,15 +535,35 @@ def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, new_
         l_i = l_i * a_old + pl * a_new
         acc = acc * a_old[:, None] + pa * a_new[:, None]
         m_i = m_new
+    if R != RM:  # the RS rows repeated up to RM (row r holds row r mod RS), the repeats masked
+        rep_: tl.constexpr = RM // R
+        g = gb * RM + tl.arange(0, RM)
+        ok = g < n_rows
+        both = ok[:, None] & cm[None, :]
+        real = tl.arange(0, RM) < R
+        m_i = tl.where(real, tl.reshape(tl.broadcast_to(m_i[None, :], (rep_, R)), (RM,)), float("-inf"))
+        l_i = tl.where(real, tl.reshape(tl.broadcast_to(l_i[None, :], (rep_, R)), (RM,)), 0.0)
+        acc = tl.where(real[:, None], tl.reshape(tl.broadcast_to(acc[None, :, :], (rep_, R, D_PAD)), (RM, D_PAD)),
+                       0.0)
     old = tl.load(len_ptr) - q_len  # the partials launch already advanced the length past this step's tokens
     q = tl.load(q_ptr + (qh * q_stride + g * D)[:, None] + c[None, :], mask=both, other=0.0).to(tl.float32) * scale
+    TC: tl.constexpr = tail_k_ptr.dtype.element_ty == tl.bfloat16  # (RM = 16: tensor-core dots, exact products)
+    if TC:
+        q1, q2, q3 = _split3(q)
+    else:
+        q1, q2, q3 = q, q, q
     for t0 in range(0, old, BLOCK_):
         t = t0 + tl.arange(0, BLOCK_).to(tl.int64)
         live = t < old
         at = (qh * tail_cap + t)[:, None] * D + c[None, :]
-        tk = tl.load(tail_k_ptr + at, mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        tv = tl.load(tail_v_ptr + at, mask=live[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        s = tl.where(live[None, :], _scores(q, tk, RM >= 16), float("-inf"))
+        tk = tl.load(tail_k_ptr + at, mask=live[:, None] & cm[None, :], other=0.0)
+        tv = tl.load(tail_v_ptr + at, mask=live[:, None] & cm[None, :], other=0.0)
+        if TC:
+            s = _dot3(q1, q2, q3, tl.trans(tk), tl.zeros((RM, BLOCK_), tl.float32))
+        else:
+            s = _scores(q, tk.to(tl.float32), RM >= 16)
+            tv = tv.to(tl.float32)
+        s = tl.where(live[None, :], s, float("-inf"))
         m_i, l_i, acc = _online(m_i, l_i, acc, s, tv, RM >= 16)
     newest = (g0 + g) % q_len  # the newest of the step's tokens each query row sees (causal suffix)
     for j0 in range(0, q_len, BLOCK_):
@@ -550,9 +575,13 @@ def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, new_
         writes = live & ((j * 0 + gb) == 0)[:, None]  # the head's first program writes the tail
         tl.store(tail_k_ptr + at, nk, mask=writes)
         tl.store(tail_v_ptr + at, nv, mask=writes)
-        s = _scores(q, nk.to(tl.float32), RM >= 16)
+        if TC:
+            s = _dot3(q1, q2, q3, tl.trans(nk), tl.zeros((RM, BLOCK_), tl.float32))
+        else:
+            s = _scores(q, nk.to(tl.float32), RM >= 16)
+            nv = nv.to(tl.float32)
         s = tl.where((j < q_len)[None, :] & (j[None, :] <= newest[:, None]), s, float("-inf"))
-        m_i, l_i, acc = _online(m_i, l_i, acc, s, nv.to(tl.float32), RM >= 16)
+        m_i, l_i, acc = _online(m_i, l_i, acc, s, nv, RM >= 16)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (qh * q_stride + g * D)[:, None] + c[None, :], out, mask=both)
 
@@ -584,13 +613,16 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
                      ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
                      TK=getattr(tables, "width", 0),
                      num_warps=PARTIAL_WARPS[elem.element_size()], num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
-    rm = min(triton.next_power_of_2(n), ROWS)  # a decode step's few rows: no padding to 16
+    # a decode step's few rows: no padding to 16, except for bfloat16 tails (tensor-core dots need 16 rows)
+    rm = ROWS if tail_keys.dtype == torch.bfloat16 else min(triton.next_power_of_2(n), ROWS)
     merge = (_merge_kernel, (heads, triton.cdiv(n, rm)),
              (q, tables.head, acc, ml, tail_keys, tail_values, new_keys, new_values, tail_len, out, n, q.stride(0),
               tail_keys.shape[1], q_len, g0, scale, new_keys.stride(0), new_keys.stride(1), new_values.stride(0),
               new_values.stride(1)),
              dict(D=d, D_PAD=triton.next_power_of_2(d), RM=rm, BLOCK_=MERGE_BLOCK,
-                  num_warps=MERGE_WARPS if rm <= 4 else NUM_WARPS, num_stages=1, maxnreg=MAX_REGISTERS))
+                  RS=min(triton.next_power_of_2(n), ROWS) if rm == ROWS and n < ROWS else 0,
+                  num_warps=MERGE_WARPS if rm <= 4 or tail_keys.dtype == torch.bfloat16 else NUM_WARPS,
+                  num_stages=1, maxnreg=MAX_REGISTERS))
     return [partials, merge]
 
 
