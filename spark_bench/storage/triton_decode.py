@@ -6,8 +6,8 @@ and keeps an online softmax with ``weights · values`` accumulated in float32. N
 exists. Work is split over the sequence: one program per *work item* (a chunk of ``chunk`` tokens of one value
 tensor, for up to ``MEMBERS`` query heads that read it), so the grid is ``Σ ceil(tokens / chunk)`` over the value
 tensors, not segments × the longest. Each program writes its partial softmax ``(max, sum, Σ exp·v)`` per query row; a
-second small kernel merges the partials of each query head, adds its decoded tail (dense, causal among a suffix's own
-tokens) and normalises.
+second small kernel (:mod:`.triton_merge`) merges the partials of each query head, adds its decoded tail (dense,
+causal among a suffix's own tokens) and normalises. The arithmetic both share is :mod:`.triton_math`'s.
 
 Per stored entry ``c`` of token ``t`` (modes of :data:`~spark_bench.storage.segments.MODES`), the rebuilt key is:
 kept → ``k_tc``; pruned, mode 0 → ``f · a_c``; mode 1 (paper degenerate) → ``μ_t · a_c``; mode 2 (official) →
@@ -38,8 +38,8 @@ table row is read as scalars (L1-resident), never picked out of registers. Value
 from the typed element pointer plus a 64-bit offset that the tables state is 16-byte aligned (``VALIGN``): 16-byte
 loads. The machine code's instruction budget is measured by ``scripts/bench/instructions.py``
 (``results/bench/instructions.json``). The kernels read the rows' own tensors in place through 64-bit addresses in
-the tables (:class:`~spark_bench.storage.segments.FusedTables`): nothing is concatenated or copied. Every offset is
-64-bit. ``head_dim`` is padded to a power of two inside the kernels (``D_PAD``, at least 32 in the partials kernel),
+the tables (:class:`~spark_bench.storage.segments.FusedTables`): nothing is concatenated or copied. Addresses are
+64-bit; offsets inside a segment or a block are 32-bit (the tables refuse a segment of 2³¹ entries). ``head_dim`` is padded to a power of two inside the kernels (``D_PAD``, at least 32 in the partials kernel),
 so any multiple of 8 works. Logits and softmax are float32.
 
 Tests run it on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported)
@@ -48,33 +48,11 @@ and compile every specialisation for sm_80/sm_90 ahead of time (``tests/test_gpu
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
 
-def _interpreter_bf16_dot() -> None:
-    """Triton's CPU interpreter (3.9) multiplies ``tl.dot``'s bfloat16 operands as their raw 16-bit patterns (numpy
-    has no bfloat16; it stores them as uint16): widen them to float32 first, which is exact, as the tensor cores'
-    products are. Installed only under ``TRITON_INTERPRET=1``."""
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.create_dot
-    if getattr(original, "widens_bf16", False):
-        return
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
-        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    create_dot.widens_bf16 = True
-    interpreter.InterpreterBuilder.create_dot = create_dot
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_bf16_dot()
-
+from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _popc, _split3, _sqrt_rn
+from spark_bench.storage.triton_merge import _merge_kernel
 
 # columns of the tables (storage/segments.py builds them)
 SEG_COLS = 11   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill,
@@ -95,52 +73,6 @@ NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does
 MAX_REGISTERS = 255
 MERGE_WARPS = 4  # the merge of a decode step (a few query rows per head)
 MERGE_BLOCK = 16  # tail tokens per step of the merge
-DOT_PRECISION: tl.constexpr = tl.constexpr("ieee")  # float32 products (FMA), as the C++ kernel
-INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-
-
-@triton.jit
-def _sqrt_rn(x):
-    """``sqrt(x)`` correctly rounded for ``x ≥ 0`` (0 for subnormal ``x``), the C++ kernel's ``std::sqrt``: CUDA's
-    ``sqrt.rn`` fast path (Markstein: ``y = x·rsqrt(x)``, one fused correction) without ``tl.sqrt_rn``'s call to its
-    slow path (special and subnormal inputs), whose calling convention made the kernels spill registers."""
-    r = tl.math.rsqrt(x)
-    y = x * r
-    y = tl.fma(tl.fma(-y, y, x), 0.5 * r, y)
-    return tl.where(x < 1.1754944e-38, 0.0, y)
-
-
-@triton.jit
-def _popc(x):
-    """The set bits of each uint32 ``x``, as int32: the GPU's ``POPC`` (libdevice); under the CPU interpreter, which
-    has no libdevice, the same count by SWAR bit sums (``tests/test_fused_decode.py`` checks it)."""
-    if INTERPRET:
-        x = x - ((x >> 1) & 0x55555555)
-        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-        x = (x + (x >> 4)) & 0x0F0F0F0F
-        return ((x * 0x01010101) >> 24).to(tl.int32)
-    else:
-        return libdevice.popc(x.to(tl.int32, bitcast=True))
-
-
-@triton.jit
-def _split3(a):
-    """float32 ``a`` as three bfloat16 terms ``a₁ + a₂ + a₃ = a`` (to float32's 24 bits): each product of one with
-    a bfloat16 is exact in float32, so three tensor-core dots accumulated in float32 give float32 products."""
-    a1 = a.to(tl.bfloat16)
-    r = a - a1.to(tl.float32)
-    a2 = r.to(tl.bfloat16)
-    return a1, a2, (r - a2.to(tl.float32)).to(tl.bfloat16)
-
-
-@triton.jit
-def _dot3(a1, a2, a3, b, acc):
-    """``acc + (a₁ + a₂ + a₃) · b`` on the tensor cores, float32 accumulation (:func:`_split3`): ``a₁ · b`` into
-    ``acc`` and ``a₂ · b + a₃ · b`` in a second accumulator, joined once (``d₁ + d₂₃``): two independent chains, so
-    ptxas has no dependent HMMAs to pad with no-op instructions on sm_90 as it does for one chain of all three."""
-    d1 = tl.dot(a1, b, acc)
-    d23 = tl.dot(a2, b, tl.dot(a3, b))
-    return d1 + d23
 
 
 @triton.jit
@@ -242,59 +174,6 @@ def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.con
     else:
         sign = 0x3F80 * (keep + 1)  # (a dead token's or padding channel's S meets a masked logit or q = 0)
     return k, scale, sign.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _scores(q, k, DOT: tl.constexpr):
-    """``q (rows, D) · k (n, D)ᵀ`` in float32: ``tl.dot`` (FMA products at ``ieee``) for 16 rows or more, else a
-    broadcast product summed over the channels (a decode step's few rows: no padding to the dot's 16)."""
-    if DOT:
-        out = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    else:
-        out = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-    return out
-
-
-@triton.jit
-def _split_dot(a, b, acc):
-    """``acc + a · b`` for float32 ``a`` and bfloat16 ``b`` on the tensor cores with float32 products
-    (:func:`_split3`), accumulated in float32."""
-    a1, a2, a3 = _split3(a)
-    return _dot3(a1, a2, a3, b, acc)
-
-
-@triton.jit
-def _exp2(x):
-    """``2ˣ`` by the GPU's ``ex2.approx.ftz`` (what ``tl.exp`` issues, less the subnormal fix-up around it: a
-    weight below 2⁻¹²⁶ flushes to 0); ``tl.exp2`` under the CPU interpreter."""
-    if INTERPRET:
-        return tl.exp2(x)
-    else:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-
-
-@triton.jit
-def _online(m_i, l_i, acc, s, v, DOT: tl.constexpr = True):
-    """One online-softmax step: fold logits ``s (rows, n)`` and their values ``v (n, D)`` into the running max
-    ``m_i``, sum ``l_i`` and ``acc = Σ exp(s − m) · v`` (rows fully masked so far keep ``m = −inf``, weight 0).
-    ``exp(x − m) = 2^(x·log₂e − m·log₂e)``: one FMA and one ``ex2`` per weight. ``l_i`` may be a ``(rows, n)`` tile
-    of per-column partial sums (summed once, at the end: no reduction across warps per block) or ``(rows,)``."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) * 1.4426950408889634
-    alpha = _exp2(m_i * 1.4426950408889634 - m_safe)
-    p = _exp2(s * 1.4426950408889634 - m_safe[:, None])
-    if len(l_i.shape) == 2:
-        l_i = l_i * alpha[:, None] + p
-    else:
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-    if v.dtype == tl.bfloat16:  # bfloat16 values: tensor cores, float32 products and sums
-        acc = _split_dot(p, v, acc * alpha[:, None])
-    elif DOT:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-    else:
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -497,93 +376,6 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
     tl.store(ml_ptr + at * 2, m_i, mask=row_ok)
     tl.store(ml_ptr + at * 2 + 1, tl.sum(l_i, axis=1), mask=row_ok)
-
-
-@triton.jit
-def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, new_k_ptr, new_v_ptr, len_ptr, out_ptr,
-                  n_rows, q_stride, tail_cap, q_len, g0, scale, new_k_sh, new_k_st, new_v_sh, new_v_st,
-                  D: tl.constexpr, D_PAD: tl.constexpr, RM: tl.constexpr, BLOCK_: tl.constexpr,
-                  RS: tl.constexpr = 0):
-    """Query head ``qh``'s rows ``gb·RM …``: merge its prompt partials, attend over its decoded tail (the ``old``
-    tokens in the tail buffer, then the step's ``q_len`` new ones read from ``new_k``/``new_v``, causal among
-    themselves), normalise. Programs ``(qh, 0)`` also write the new tokens into the tail buffer at ``old …``.
-    bfloat16 tails score and sum on the tensor cores (:func:`_dot3`, float32 products) over ``RM = 16`` rows: a
-    decode step's few rows (``RS`` of them) merge their partials alone, then are padded to 16 (the padding masked);
-    float32 tails use FMA products over the rows there are."""
-    qh = tl.program_id(0).to(tl.int64)
-    gb = tl.program_id(1).to(tl.int64)
-    c = tl.arange(0, D_PAD)
-    cm = c < D
-    R: tl.constexpr = RM if RS == 0 else RS  # the partials' rows: the program's real ones (RS of RM), else RM
-    g = gb * RM + tl.arange(0, R)
-    ok = g < n_rows
-    both = ok[:, None] & cm[None, :]
-    slot_base = tl.load(head_ptr + qh * 7 + 4)
-    n_slots = tl.load(head_ptr + qh * 7 + 5)
-    m_i = tl.full((R,), float("-inf"), tl.float32)
-    l_i = tl.zeros((R,), tl.float32)
-    acc = tl.zeros((R, D_PAD), tl.float32)
-    for k in range(0, n_slots):
-        at = (slot_base + k) * n_rows + g
-        pm = tl.load(ml_ptr + at * 2, mask=ok, other=float("-inf"))
-        pl = tl.load(ml_ptr + at * 2 + 1, mask=ok, other=0.0)
-        pa = tl.load(acc_ptr + at[:, None] * D + c[None, :], mask=both, other=0.0)
-        m_new = tl.maximum(m_i, pm)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a_old = tl.exp(m_i - m_safe)
-        a_new = tl.exp(pm - m_safe)
-        l_i = l_i * a_old + pl * a_new
-        acc = acc * a_old[:, None] + pa * a_new[:, None]
-        m_i = m_new
-    if R != RM:  # the RS rows repeated up to RM (row r holds row r mod RS), the repeats masked
-        rep_: tl.constexpr = RM // R
-        g = gb * RM + tl.arange(0, RM)
-        ok = g < n_rows
-        both = ok[:, None] & cm[None, :]
-        real = tl.arange(0, RM) < R
-        m_i = tl.where(real, tl.reshape(tl.broadcast_to(m_i[None, :], (rep_, R)), (RM,)), float("-inf"))
-        l_i = tl.where(real, tl.reshape(tl.broadcast_to(l_i[None, :], (rep_, R)), (RM,)), 0.0)
-        acc = tl.where(real[:, None], tl.reshape(tl.broadcast_to(acc[None, :, :], (rep_, R, D_PAD)), (RM, D_PAD)),
-                       0.0)
-    old = tl.load(len_ptr) - q_len  # the partials launch already advanced the length past this step's tokens
-    q = tl.load(q_ptr + (qh * q_stride + g * D)[:, None] + c[None, :], mask=both, other=0.0).to(tl.float32) * scale
-    TC: tl.constexpr = tail_k_ptr.dtype.element_ty == tl.bfloat16  # (RM = 16: tensor-core dots, exact products)
-    if TC:
-        q1, q2, q3 = _split3(q)
-    else:
-        q1, q2, q3 = q, q, q
-    for t0 in range(0, old, BLOCK_):
-        t = t0 + tl.arange(0, BLOCK_).to(tl.int64)
-        live = t < old
-        at = (qh * tail_cap + t)[:, None] * D + c[None, :]
-        tk = tl.load(tail_k_ptr + at, mask=live[:, None] & cm[None, :], other=0.0)
-        tv = tl.load(tail_v_ptr + at, mask=live[:, None] & cm[None, :], other=0.0)
-        if TC:
-            s = _dot3(q1, q2, q3, tl.trans(tk), tl.zeros((RM, BLOCK_), tl.float32))
-        else:
-            s = _scores(q, tk.to(tl.float32), RM >= 16)
-            tv = tv.to(tl.float32)
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online(m_i, l_i, acc, s, tv, RM >= 16)
-    newest = (g0 + g) % q_len  # the newest of the step's tokens each query row sees (causal suffix)
-    for j0 in range(0, q_len, BLOCK_):
-        j = j0 + tl.arange(0, BLOCK_).to(tl.int64)
-        live = (j < q_len)[:, None] & cm[None, :]
-        nk = tl.load(new_k_ptr + (qh * new_k_sh + j * new_k_st)[:, None] + c[None, :], mask=live, other=0.0)
-        nv = tl.load(new_v_ptr + (qh * new_v_sh + j * new_v_st)[:, None] + c[None, :], mask=live, other=0.0)
-        at = (qh * tail_cap + old + j)[:, None] * D + c[None, :]
-        writes = live & ((j * 0 + gb) == 0)[:, None]  # the head's first program writes the tail
-        tl.store(tail_k_ptr + at, nk, mask=writes)
-        tl.store(tail_v_ptr + at, nv, mask=writes)
-        if TC:
-            s = _dot3(q1, q2, q3, tl.trans(nk), tl.zeros((RM, BLOCK_), tl.float32))
-        else:
-            s = _scores(q, nk.to(tl.float32), RM >= 16)
-            nv = nv.to(tl.float32)
-        s = tl.where((j < q_len)[None, :] & (j[None, :] <= newest[:, None]), s, float("-inf"))
-        m_i, l_i, acc = _online(m_i, l_i, acc, s, nv, RM >= 16)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + (qh * q_stride + g * D)[:, None] + c[None, :], out, mask=both)
 
 
 def launch_shape(rows_per_head: int) -> tuple[int, int]:

@@ -1,0 +1,141 @@
+"""The arithmetic the fused decode kernels share (:mod:`.triton_decode`, :mod:`.triton_merge`), in Triton.
+
+Float32 products on the tensor cores from bfloat16 operands: a float32 operand is split into three bfloat16 terms
+(:func:`_split3`, ``a = a₁ + a₂ + a₃`` to float32's 24 bits), each product with a bfloat16 is exact in float32, and
+:func:`_dot3` accumulates the three dots in float32. The online softmax (:func:`_online`) folds a block of logits
+and values into a running max, sum and ``Σ weight · value``. Helpers for the C++ kernel's exact arithmetic:
+:func:`_sqrt_rn` (correctly rounded ``sqrt``), :func:`_popc` (``POPC``). Under Triton's CPU interpreter
+(``TRITON_INTERPRET=1`` set before this module is imported) the GPU-only instructions fall back to equivalents, and
+the interpreter's bfloat16 ``tl.dot`` is made to widen its operands (:func:`_interpreter_bf16_dot`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+
+def _interpreter_bf16_dot() -> None:
+    """Triton's CPU interpreter (3.9) multiplies ``tl.dot``'s bfloat16 operands as their raw 16-bit patterns (numpy
+    has no bfloat16; it stores them as uint16): widen them to float32 first, which is exact, as the tensor cores'
+    products are. Installed only under ``TRITON_INTERPRET=1``."""
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+    if getattr(original, "widens_bf16", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot.widens_bf16 = True
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_bf16_dot()
+
+
+DOT_PRECISION: tl.constexpr = tl.constexpr("ieee")  # float32 products (FMA), as the C++ kernel
+INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _sqrt_rn(x):
+    """``sqrt(x)`` correctly rounded for ``x ≥ 0`` (0 for subnormal ``x``), the C++ kernel's ``std::sqrt``: CUDA's
+    ``sqrt.rn`` fast path (Markstein: ``y = x·rsqrt(x)``, one fused correction) without ``tl.sqrt_rn``'s call to its
+    slow path (special and subnormal inputs), whose calling convention made the kernels spill registers."""
+    r = tl.math.rsqrt(x)
+    y = x * r
+    y = tl.fma(tl.fma(-y, y, x), 0.5 * r, y)
+    return tl.where(x < 1.1754944e-38, 0.0, y)
+
+
+@triton.jit
+def _popc(x):
+    """The set bits of each uint32 ``x``, as int32: the GPU's ``POPC`` (libdevice); under the CPU interpreter, which
+    has no libdevice, the same count by SWAR bit sums (``tests/test_fused_decode.py`` checks it)."""
+    if INTERPRET:
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return ((x * 0x01010101) >> 24).to(tl.int32)
+    else:
+        return libdevice.popc(x.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _split3(a):
+    """float32 ``a`` as three bfloat16 terms ``a₁ + a₂ + a₃ = a`` (to float32's 24 bits): each product of one with
+    a bfloat16 is exact in float32, so three tensor-core dots accumulated in float32 give float32 products."""
+    a1 = a.to(tl.bfloat16)
+    r = a - a1.to(tl.float32)
+    a2 = r.to(tl.bfloat16)
+    return a1, a2, (r - a2.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot3(a1, a2, a3, b, acc):
+    """``acc + (a₁ + a₂ + a₃) · b`` on the tensor cores, float32 accumulation (:func:`_split3`): ``a₁ · b`` into
+    ``acc`` and ``a₂ · b + a₃ · b`` in a second accumulator, joined once (``d₁ + d₂₃``): two independent chains, so
+    ptxas has no dependent HMMAs to pad with no-op instructions on sm_90 as it does for one chain of all three."""
+    d1 = tl.dot(a1, b, acc)
+    d23 = tl.dot(a2, b, tl.dot(a3, b))
+    return d1 + d23
+
+
+@triton.jit
+def _scores(q, k, DOT: tl.constexpr):
+    """``q (rows, D) · k (n, D)ᵀ`` in float32: ``tl.dot`` (FMA products at ``ieee``) for 16 rows or more, else a
+    broadcast product summed over the channels (a decode step's few rows: no padding to the dot's 16)."""
+    if DOT:
+        out = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    else:
+        out = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    return out
+
+
+@triton.jit
+def _split_dot(a, b, acc):
+    """``acc + a · b`` for float32 ``a`` and bfloat16 ``b`` on the tensor cores with float32 products
+    (:func:`_split3`), accumulated in float32."""
+    a1, a2, a3 = _split3(a)
+    return _dot3(a1, a2, a3, b, acc)
+
+
+@triton.jit
+def _exp2(x):
+    """``2ˣ`` by the GPU's ``ex2.approx.ftz`` (what ``tl.exp`` issues, less the subnormal fix-up around it: a
+    weight below 2⁻¹²⁶ flushes to 0); ``tl.exp2`` under the CPU interpreter."""
+    if INTERPRET:
+        return tl.exp2(x)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def _online(m_i, l_i, acc, s, v, DOT: tl.constexpr = True):
+    """One online-softmax step: fold logits ``s (rows, n)`` and their values ``v (n, D)`` into the running max
+    ``m_i``, sum ``l_i`` and ``acc = Σ exp(s − m) · v`` (rows fully masked so far keep ``m = −inf``, weight 0).
+    ``exp(x − m) = 2^(x·log₂e − m·log₂e)``: one FMA and one ``ex2`` per weight. ``l_i`` may be a ``(rows, n)`` tile
+    of per-column partial sums (summed once, at the end: no reduction across warps per block) or ``(rows,)``."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) * 1.4426950408889634
+    alpha = _exp2(m_i * 1.4426950408889634 - m_safe)
+    p = _exp2(s * 1.4426950408889634 - m_safe[:, None])
+    if len(l_i.shape) == 2:
+        l_i = l_i * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+    if v.dtype == tl.bfloat16:  # bfloat16 values: tensor cores, float32 products and sums
+        acc = _split_dot(p, v, acc * alpha[:, None])
+    elif DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l_i, acc
