@@ -17,7 +17,8 @@ registers), compiled for sm_90 on this CPU (triton's compiler and bundled ptxas 
 kernel as launched at the production shape (``Launch("partials", 128, 4)``): its token loop is the first top-level
 loop holding inner loops, its signed member loop that loop's last inner loop. Each layout's scores are also checked
 under Triton's interpreter (``TRITON_INTERPRET=1``, a child process) against a float64 torch reference: D = 128,
-26 kept channels, 3 members, 40 tokens (one full block and a partial one).
+26 kept channels, 3 members, 40 tokens (one full block and a partial one), every 10th token's mask (from the 4th)
+with empty words (all 26 kept in one word, or in 30 consecutive channels).
 
 **Layouts**, key bytes per token and member at D = 128 with T = 26 kept channels:
 
@@ -28,7 +29,13 @@ under Triton's interpreter (``TRITON_INTERPRET=1``, a child process) against a f
   ``√μ · (2 Σ_{bit set} qa + Σ_j qa[idx_j] − Σ_c qa_c)``, the first sum from per-member nibble tables
   (32 groups × 16 entries × 4 rows, 8 KiB a member, built once per step outside the loop);
 * C: A + one base-3 code byte per 4 channels (32 B; digit 0 kept, 1 pruned +, 2 pruned −) + μ (2 B) = 112 B; the
-  recovery is ``√μ · Σ_G LUT3[G][code_G]`` (32 groups × 81 entries × 4 rows, 41.5 KiB a member, built once per step).
+  recovery is ``√μ · Σ_G LUT3[G][code_G]`` (32 groups × 81 entries × 4 rows, 41.5 KiB a member, built once per step);
+* W: today's layout, restructured (no byte changes, 82.75 B): lane ``(W, TL)`` finds the channel of kept rank 7W once
+  (mask word by popc prefix counts, byte by SWAR, bit by a 2 KiB (byte, j) → bit table), then steps six times to the
+  next kept channel (ffs; an emptied word jumps to the next nonzero one by a 64 B table); the recovery of mask word
+  W's pruned channels reads their pruned-order sign bits as one 32-bit window of the bit array and, per nibble, maps
+  (pruned nibble, next 4 signs) to the positive channels (a 256 B table) to index B's nibble tables (8 KiB a member),
+  B's recovery formula after (the kept channels' qa gathered with their q). Shared tables 2,368 B.
 
 **Reading the result.** ``member_instructions`` are per warp per 32-token block (×4 warps per block). The estimate
 ``instr_per_byte`` = (L + n·M) · warps / (BLOCK · (V + n·K)) charges the real kernel's steady token loop (L, the
@@ -57,15 +64,18 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from spark_bench.storage.gpu_compile import Launch, _target, _tool, compile_launch, guarded, parse_sass  # noqa: E402
+from spark_bench.storage.triton_math import INTERPRET, _popc  # noqa: E402
+from triton.language.extra.cuda import libdevice  # noqa: E402
 
 D, T, BLOCK, WARPS = 128, 26, 32, 4
 SPT = -(-T // 4)                      # kept slots per lane (7: a token's 26 entries over 4 lanes, 28 slots)
-LAYOUTS = {"A": 0, "B": 1, "C": 2}
-KEY_BYTES = {"today": 52 + 16 + 2 + 102 / 8, "A": 96, "B": 96, "C": 26 + 52 + 32 + 2}
+LAYOUTS = {"A": 0, "B": 1, "C": 2, "W": 3}
+KEY_BYTES = {"today": 52 + 16 + 2 + 102 / 8, "A": 96, "B": 96, "C": 26 + 52 + 32 + 2, "W": 52 + 16 + 2 + 102 / 8}
 VALUE_BYTES = 2 * D
 BUDGET = 0.14
 CHECK = dict(n_tok=40, count=3)       # the interpreter check: one full block and an 8-token partial one, 3 members
 PAD = 4096                            # elements after every store: dead tokens and padding slots read unmasked
+SIGN_OFF = tl.constexpr(13)           # W: a member's token t's sign bits from bit 13 + 102 t (not word-aligned)
 
 
 @triton.jit
@@ -129,12 +139,94 @@ def _member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D: tl.con
 
 
 @triton.jit
-def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, qat_ptr, out_ptr, count, t_start,
-                  t_end, n_tok, D: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, LAYOUT: tl.constexpr,
-                  SPT: tl.constexpr):
+def _ffs(x):
+    """1 + the lowest set bit of uint32 ``x`` (0 for 0), int32: libdevice's ``ffs``, interpreted by popc."""
+    if INTERPRET:
+        return tl.where(x != 0, _popc((x & (~x + 1)) - 1) + 1, 0)
+    else:
+        return libdevice.ffs(x.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.constexpr, T: tl.constexpr,
+              SPT: tl.constexpr):
+    """W's (32 tokens, 4 rows) scores (tiles as :func:`_member`; ``tab_b``: the 2 KiB select, 64 B next-word and
+    256 B expansion tables, in that order)."""
+    TW = tl.arange(0, 4)[:, None, None]
+    W = tl.arange(0, 4)[None, :, None]
+    TL = tl.arange(0, 8)[None, None, :]
+    r = tl.arange(0, 4)[None, None, None, :].to(tl.uint32)
+    tt = t0 + TW * 8 + TL
+    x0, x1 = tl.load(mask_b + tt * 4), tl.load(mask_b + tt * 4 + 1)
+    x2, x3 = tl.load(mask_b + tt * 4 + 2), tl.load(mask_b + tt * 4 + 3)
+    C1 = _popc(x0).to(tl.uint32)                      # kept channels before words 1, 2, 3
+    C2 = C1 + _popc(x1).to(tl.uint32)
+    C3 = C2 + _popc(x2).to(tl.uint32)
+    p0 = (W * SPT).to(tl.uint32)                      # rank 7W: its word, then its byte (SWAR), then its bit (table)
+    g1, g2, g3 = p0 >= C1, p0 >= C2, p0 >= C3
+    xw0 = tl.where(g3, x3, tl.where(g2, x2, tl.where(g1, x1, x0)))
+    rr = p0 - tl.where(g3, C3, tl.where(g2, C2, tl.where(g1, C1, 0)))
+    s8 = tl.where(g3, 24, tl.where(g2, 16, tl.where(g1, 8, 0))).to(tl.uint32)    # 8 × the current word
+    bc = xw0 - ((xw0 >> 1) & 0x55555555)
+    bc = (bc & 0x33333333) + ((bc >> 2) & 0x33333333)
+    bc = (bc + (bc >> 4)) & 0x0F0F0F0F                # set bits per byte
+    Pb = bc * 0x01010101                              # their inclusive prefix sums
+    shb = _popc(((rr * 0x01010101 + 0x80808080) - Pb) & 0x80808080).to(tl.uint32) * 8
+    eb = ((Pb - bc) >> shb) & 0xFF
+    c0 = shb + tl.load(tab_b + ((xw0 >> shb) & 0xFF) * 8 + (rr - eb)).to(tl.uint32)
+    rem = xw0 & (0xFFFFFFFF << c0)                    # the current word's kept channels from rank 7W on
+    nzw = (tl.where(x1 != 0, 2, 0) | tl.where(x2 != 0, 4, 0) | tl.where(x3 != 0, 8, 0)).to(tl.uint32)
+    nxt = tl.load((tab_b + 2048 + nzw * 4).to(tl.pointer_type(tl.uint32), bitcast=True))  # byte k: 8 × next word > k
+    acc = tl.zeros((4, 4, 8, 4), tl.float32)
+    kqa = tl.zeros((4, 4, 8, 4), tl.float32)
+    for i in tl.static_range(SPT):
+        p = W * SPT + i
+        idx = s8 * 4 + _ffs(rem).to(tl.uint32) - 1
+        if i >= T - 3 * SPT:
+            idx = tl.where(p < T, idx, D)
+            k = tl.load(kept_b + tt * T + p, mask=p < T, other=0.0).to(tl.float32)
+        else:
+            k = tl.load(kept_b + tt * T + p).to(tl.float32)
+        if i < SPT - 1:                               # next kept channel
+            rem = rem & (rem - 1)
+            n8 = (nxt >> s8) & 0xFF
+            ez = rem == 0
+            rem = tl.where(ez, tl.where(n8 == 8, x1, tl.where(n8 == 16, x2, x3)), rem)
+            s8 = tl.where(ez, n8, s8)
+        ga = q_b + (idx * 8)[:, :, :, None] + r
+        acc = acc + k[:, :, :, None] * tl.load(ga)
+        kqa = kqa + tl.load(ga + 4)
+    xw = tl.where(W == 0, x0, tl.where(W == 1, x1, tl.where(W == 2, x2, x3)))
+    cw = tl.where(W == 0, 0, tl.where(W == 1, C1, tl.where(W == 2, C2, C3))).to(tl.int32)
+    notm = ~xw                                        # word W's pruned channels, their signs from bit `start` on
+    start = tt * (D - T) + 32 * W - cw + SIGN_OFF
+    lo = tl.load(sgn_b + (start >> 5))
+    hi = tl.load(sgn_b + (start >> 5) + 1)
+    window = ((lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)) >> (start & 31).to(tl.uint64)).to(tl.uint32)
+    rec = tl.zeros((4, 4, 8, 4), tl.float32)
+    for g in tl.static_range(8):                      # nibble g: (pruned nibble, next 4 signs) → positive nibble
+        if g == 0:
+            ix = ((notm << 4) & 0xF0) | (window & 0xF)
+        else:
+            ix = ((notm >> (4 * g - 4)) & 0xF0) | (window & 0xF)
+        ex = tl.load(tab_b + 2112 + ix).to(tl.uint32)
+        rec = rec + tl.load((lut_b + (W * 8 + g) * 64 + ex * 4)[:, :, :, None] + r)
+        if g < 7:
+            window = window >> _popc(notm & (15 << (4 * g))).to(tl.uint32)
+    smu = _sqrt_rn(tl.maximum(tl.load(mu_b + tt).to(tl.float32), 0.0))
+    acc = acc + smu[:, :, :, None] * (kqa + 2.0 * rec)
+    qat = tl.load(qat_b + tl.arange(0, 4))
+    out = tl.sum(acc, axis=1) - tl.reshape(smu, (4, 8))[:, :, None] * qat[None, None, :]
+    return tl.reshape(out, (32, 4))
+
+
+@triton.jit
+def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, qat_ptr, mask_ptr, tab_ptr, out_ptr,
+                  count, t_start, t_end, n_tok, D: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
+                  LAYOUT: tl.constexpr, SPT: tl.constexpr):
     """Scores (16, n_tok), rows 4m .. 4m + 3 for member m < count (-inf for the others), tokens t_start .. t_end."""
-    QW: tl.constexpr = 8 if LAYOUT == 1 else 4
-    LUTN: tl.constexpr = 32 * 16 * 4 if LAYOUT == 1 else 32 * 81 * 4
+    QW: tl.constexpr = 8 if LAYOUT == 1 or LAYOUT == 3 else 4
+    LUTN: tl.constexpr = 32 * 81 * 4 if LAYOUT == 2 else 32 * 16 * 4
     r16 = tl.arange(0, 16)
     for t0 in range(t_start, t_end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
@@ -142,15 +234,20 @@ def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, 
         s = tl.full((16, BLOCK), float("-inf"), tl.float32)
         q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b = (q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr,
                                                                    lut_ptr, qat_ptr)
+        mask_b = mask_ptr
         for m in range(0, count):
-            sm = tl.trans(_member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D, T, LAYOUT, SPT))
+            if LAYOUT == 3:
+                sm = tl.trans(_member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_ptr, t0, D, T, SPT))
+            else:
+                sm = tl.trans(_member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D, T, LAYOUT, SPT))
             sm16 = tl.reshape(tl.broadcast_to(sm[None, :, :], (4, 4, BLOCK)), (16, BLOCK))
             s = tl.where((r16 // 4 == m)[:, None] & live[None, :], sm16, s)
             q_b += (D + 1) * QW
             idx_b += n_tok * T
             kept_b += n_tok * T
             mu_b += n_tok
-            sgn_b += n_tok * 4
+            sgn_b += n_tok * 4                        # (W: its sign bit array, padded to the same stride)
+            mask_b += n_tok * 4
             code_b += n_tok * 32
             lut_b += LUTN
             qat_b += 4
@@ -166,6 +263,10 @@ def stores(n_tok: int, count: int, seed: int = 0) -> dict:
     q = torch.randn(count, 4, D, generator=g) * 0.3
     qa = q * (torch.rand(count, 1, D, generator=g) + 0.5)
     order = torch.stack([torch.randperm(D, generator=g)[:T] for _ in range(count * n_tok)]).view(count, n_tok, T)
+    g2 = torch.Generator().manual_seed(seed + 1)  # masks with empty words: 26 kept in one word or in 30 in a row
+    for n, (m, t) in enumerate((m, t) for m in range(count) for t in range(3, n_tok, 10)):
+        lo, span = (32 * (n // 2 % 4), 32) if n % 2 == 0 else (int(torch.randint(0, D - 29, (1,), generator=g2)), 30)
+        order[m, t] = lo + torch.randperm(span, generator=g2)[:T]
     sign = torch.where(torch.rand(count, n_tok, D, generator=g) < 0.5, 1.0, -1.0)
     sign.scatter_(2, order, 0.0)                                              # 0 at kept channels
     kvals = (torch.randn(count, n_tok, T, generator=g) * 2).bfloat16()
@@ -179,6 +280,28 @@ def stores(n_tok: int, count: int, seed: int = 0) -> dict:
 
     def padded(x):
         return torch.cat([x.flatten(), torch.zeros(PAD, dtype=x.dtype)])
+
+    def u32(bits):  # (..., 32) bits → uint32 words
+        w = (bits.long() << torch.arange(32)).sum(-1)
+        return torch.where(w >= 2 ** 31, w - 2 ** 32, w).int().view(torch.uint32)
+
+    # W: the mask; the pruned channels' sign bits (1: +) in channel order, token t's from bit SIGN_OFF + 102 t of the
+    # member's n_tok · 128 bits (the others 1); tables: (byte, j) → bit of its j-th set bit, (nonzero words 1..3, k) →
+    # 8 × the next nonzero word after k (3 if none), (pruned nibble, next 4 signs) → the positive channels' nibble
+    kept_mask = torch.zeros(count, n_tok, D, dtype=torch.bool).scatter_(2, order, True)
+    sbits = torch.ones(count, n_tok * 128, dtype=torch.long)
+    sbits[:, SIGN_OFF.value:SIGN_OFF.value + n_tok * (D - T)] = (sign[~kept_mask] > 0).long().view(count, -1)
+    tab = torch.zeros(2048 + 64 + 256, dtype=torch.uint8)
+    for v in range(256):
+        for j, b in enumerate(b for b in range(8) if v >> b & 1):
+            tab[8 * v + j] = b
+    for z in range(16):
+        for k in range(4):
+            tab[2048 + 4 * z + k] = 8 * next((j for j in range(k + 1, 4) if z >> j & 1), 3)
+    for pm in range(16):
+        on = [i for i in range(4) if pm >> i & 1]
+        for ch in range(16):
+            tab[2112 + 16 * pm + ch] = sum(1 << i for j, i in enumerate(on) if ch >> j & 1)
 
     def table(rows):  # (count, D + 1, 4): channel c's 4 query rows, row D zero (B's masked padding slots)
         return torch.cat([rows.transpose(1, 2), torch.zeros(count, 1, 4)], 1)
@@ -195,13 +318,15 @@ def stores(n_tok: int, count: int, seed: int = 0) -> dict:
                 q4=padded(table(q)), q8=padded(torch.cat([table(q), table(qa)], 2)),
                 lut_B=padded(torch.einsum("ei,mrgi->mger", nibble, groups)),
                 lut_C=padded(torch.einsum("ei,mrgi->mger", trit, groups)),
-                qat=padded(qa.sum(-1)), ref=ref, ref_kept=ref_kept)
+                qat=padded(qa.sum(-1)), mask=padded(u32(kept_mask.view(count, n_tok, 4, 32))),
+                kept_W=padded(kvals.gather(2, order.argsort(-1))), sgn_W=padded(u32(sbits.view(count, -1, 32))),
+                tab=padded(tab), ref=ref, ref_kept=ref_kept)
 
 
 def _arguments(layout: str, x: dict, n_tok: int, count: int, out):
-    lut = x["lut_C" if layout == "C" else "lut_B"]
-    args = (x["q8" if layout == "B" else "q4"], x["idx"], x["kept"], x["mu"], x["sgn"], x["code"], lut, x["qat"], out,
-            count, 0, n_tok, n_tok)
+    lut, w = x["lut_C" if layout == "C" else "lut_B"], "_W" if layout == "W" else ""
+    args = (x["q8" if layout in "BW" else "q4"], x["idx"], x["kept" + w], x["mu"], x["sgn" + w], x["code"], lut,
+            x["qat"], x["mask"], x["tab"], out, count, 0, n_tok, n_tok)
     return args, dict(D=D, T=T, BLOCK=BLOCK, LAYOUT=LAYOUTS[layout], SPT=SPT)
 
 
