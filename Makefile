@@ -73,6 +73,7 @@ node: node-install
 bench: $(STAMP)
 	$(BIN)/python scripts/bench/compile.py
 	$(BIN)/python scripts/bench/instructions.py --label after
+	$(BIN)/python scripts/bench/member_layouts.py
 	$(BIN)/python scripts/bench/fused.py
 	$(BIN)/python scripts/bench/planner_peaks.py --label after
 	$(BIN)/python scripts/bench/plan_hours.py
