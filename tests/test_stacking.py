@@ -17,7 +17,7 @@ from spark_bench.methods.channel.spark import SparK
 from spark_bench.methods.channel.think import ThinK
 from spark_bench.storage import dispatch
 from spark_bench.storage.bits import pack_bits
-from spark_bench.storage.segments import FusedTables, SegmentStack, ValueStack
+from spark_bench.storage.segments import SEG_COLS, WORK_COLS, FusedTables, SegmentStack, ValueStack
 from spark_bench.storage.stores import DenseStore
 
 # every store kind a compact kernel serves: SparK fixed-T in each kernel mode, ThinK with and without its dense
@@ -113,7 +113,7 @@ def test_segment_stack_reads_the_rows_stores_in_place():
     assert stack.nbytes() < 0.1 * sum(s.nbytes() for s in stores)  # the table and per-head scales only
     values = ValueStack([DenseStore(torch.zeros(1, 2, s.length, 64, dtype=torch.bfloat16)) for s in stores], 200)
     tables = FusedTables.build(stack, values, [None] * 8, members=4)
-    kept_addresses = set(tables.seg[2::11].tolist())
+    kept_addresses = set(tables.seg[2::SEG_COLS].tolist())
     assert {stores[0].kept.data_ptr(), stores[3].data.data_ptr()} <= kept_addresses
     assert tables.nbytes() < 0.1 * sum(s.nbytes() for s in stores)
 
@@ -211,7 +211,7 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
     queries = torch.randn(n, 2, group * q_len, head_dim, generator=g).to(DEVICE)
     members = triton_kernels.launch_shape(group * q_len)[1]
     tables = FusedTables.build(keys_stack, value_stack, per_head, members, chunk)
-    work = tables.work.view(-1, triton_kernels.WORK_COLS)
+    work = tables.work.view(-1, WORK_COLS)
     assert work[:, 1].max() > 1 or members == 1  # rows sharing values are served by one work item (read once)
     runs = torch.diff(work[:, 6:10], dim=1, prepend=torch.zeros_like(work[:, :1]),
                       append=work[:, 1:2])  # members per kind: dense, structured, bare, plain, signed

@@ -74,6 +74,7 @@ def _arguments(launch: Launch):
     import torch
 
     from spark_bench.storage import triton_decode
+    from spark_bench.storage.segments import HEAD_COLS, SEG_COLS, WORK_COLS
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[launch.itemsize]
     heads, d, n = 2, launch.head_dim, launch.group * launch.q_len
@@ -82,8 +83,10 @@ def _arguments(launch: Launch):
     new = torch.zeros(heads, launch.q_len, d, dtype=dtype)  # the step's keys/values (R·H, q_len, D) rows
     packed = torch.zeros(64, dtype=torch.int64)
     members = triton_decode.launch_shape(n)[1]
-    tables = SimpleNamespace(seg=packed[:22], head=packed[22:36], work=packed[36:56], lists=packed[56:58],
-                             n_slots=4, n_work=2, members=members, aligned=True, width=launch.width)
+    a, b, c = 2 * SEG_COLS, 2 * HEAD_COLS, 2 * WORK_COLS  # two rows of each table
+    tables = SimpleNamespace(seg=packed[:a], head=packed[a:a + b], work=packed[a + b:a + b + c],
+                             lists=packed[a + b + c:a + b + c + 2], n_slots=4, n_work=2, members=members,
+                             aligned=True, width=launch.width)
     aux = torch.ones(heads, d)
     for kernel, _, args, kwargs in triton_decode.launches(q, 0.088, aux, tables, tail_k, new, new, tail_k, tail_v,
                                                           torch.zeros(1, dtype=torch.int64), launch.q_len, 0,

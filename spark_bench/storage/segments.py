@@ -31,6 +31,12 @@ from spark_bench.storage.stores import DenseStore, StructuredKeyStore, Unstructu
 PART_COLUMNS = ("qh", "out_off", "n_tokens", "t_kept", "kept_part", "kept_off", "mask_part", "mask_off", "mask_stride",
                 "mu_part", "mu_off", "sign_part", "sign_off", "mode")
 MODES = {"constant": 0, "aligned": 1, "signed": 2, "dense": 3}
+# the fused kernel's tables (FusedTables), their row widths and columns
+SEG_COLS = 11   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill,
+#                 chan_addr (a structured segment's kept channels, one index each)
+HEAD_COLS = 7   # seg_a, seg_b, split, valid_addr, slot_base, n_slots, n_tokens
+WORK_COLS = 10  # list_start, count, t_start, t_end, val_addr, chunk, then the ends of its kinds' runs of members:
+#                 n_dense, n_struct, n_bare, n_plain (the rest, to count, are signed)
 
 
 @dataclass(frozen=True)
@@ -364,7 +370,8 @@ class FusedTables:
         rows = (keys.head_dim * keys.dtype.itemsize) % 16 == 0
         aligned = rows and all(r[4] % 16 == 0 for r in work) and all(r[2] % 16 == 0 for r in seg_rows if r[8] == 3)
         width = max(32, 1 << (widest - 1).bit_length()) if widest else 0
-        return flat, (11 * len(seg_rows), 7 * n_heads, 10 * len(work), slots, len(work), members, aligned, width)
+        return flat, (SEG_COLS * len(seg_rows), HEAD_COLS * n_heads, WORK_COLS * len(work), slots, len(work), members,
+                      aligned, width)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed)

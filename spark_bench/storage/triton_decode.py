@@ -51,15 +51,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from spark_bench.storage.segments import HEAD_COLS, SEG_COLS, WORK_COLS
 from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _popc, _split3, _sqrt_rn
 from spark_bench.storage.triton_merge import _merge_kernel
 
-# columns of the tables (storage/segments.py builds them)
-SEG_COLS = 11   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill,
-#                 chan_addr (a structured segment's kept channels, one index each)
-HEAD_COLS = 7   # seg_a, seg_b, split, valid_addr, slot_base, n_slots, n_tokens
-WORK_COLS = 10  # list_start, count, t_start, t_end, val_addr, chunk, then the ends of its kinds' runs of members:
-#                 n_dense, n_struct, n_bare, n_plain (the rest, to count, are signed)
+# the tables' row widths (storage/segments.py builds them, its *_COLS say what each column holds)
+SEG: tl.constexpr = tl.constexpr(SEG_COLS)
+HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)
+WORK: tl.constexpr = tl.constexpr(WORK_COLS)
 BLOCK = {2: 32, 4: 16}  # tokens per step of the token loop by element size
 ROWS = 16       # query rows per program (the dot products' M)
 # warps of the partials kernel by element size: bfloat16 (tensor-core dots) 4 warps at BLOCK 32 (≤ 248 registers
@@ -79,7 +78,7 @@ MERGE_BLOCK = 16  # tail tokens per step of the merge
 def _segment(seg_ptr, s):
     """The table row of segment ``s`` as scalars: out_off, t_kept, kept/mask addresses, mask stride, μ/sign
     addresses, sign bit offset, mode, the fill's float32 bits."""
-    row = seg_ptr + s * 11
+    row = seg_ptr + s * SEG
     return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4), tl.load(row + 5),
             tl.load(row + 6), tl.load(row + 7), tl.load(row + 8), tl.load(row + 9))
 
@@ -186,8 +185,8 @@ def _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, li
     key rebuilt; else the float32 keys and an FMA dot. Without ``RECOVER`` (pruned entries read as 0: ThinK, the
     zero/none recoveries, AdaKV's dense rows) only ``q · k``."""
     qh = tl.load(heads + m)
-    hrow = head_ptr + qh * 7
-    b = seg_ptr + tl.load(hrow + 1) * 11  # (a second segment is a run of dense keys: FusedTables.layout)
+    hrow = head_ptr + qh * HEAD
+    b = seg_ptr + tl.load(hrow + 1) * SEG  # (a second segment is a run of dense keys: FusedTables.layout)
     k, scale, sign = _keys(_segment(seg_ptr, tl.load(hrow)), tl.load(b + 2), tl.load(b), tl.load(hrow + 2), t, live,
                            c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS, RECOVER, not RECOVER)
     if ELEM == tl.bfloat16:
@@ -234,11 +233,11 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
             v = tl.load(values + t0 * D + inside, mask=both, other=0.0)
     s = tl.full((ROWS_, BLOCK_), float("-inf"), tl.float32)
     for m in range(0, n_dense):  # dense keys: rows of D channels, like the values
-        seg = tl.load(head_ptr + tl.load(heads + m) * 7)
-        start = (tl.load(seg_ptr + seg * 11 + 2) - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
+        seg = tl.load(head_ptr + tl.load(heads + m) * HEAD)
+        start = (tl.load(seg_ptr + seg * SEG + 2) - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
         if VALIGN:
             start = tl.multiple_of(start, 16 // ESIZE)
-        rows = elem_ptr + start + (t0 - tl.load(seg_ptr + seg * 11)) * D  # (from the segment's first token)
+        rows = elem_ptr + start + (t0 - tl.load(seg_ptr + seg * SEG)) * D  # (from the segment's first token)
         if MASKED or D != D_PAD:
             k = tl.load(rows + inside, mask=both, other=0.0)
         else:
@@ -257,7 +256,7 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
         # gathered at those channels once per program (qg): a TK-deep dot, no mask read
         j = tl.arange(0, TK)
         for m in range(n_dense, n_struct):
-            row = seg_ptr + tl.load(head_ptr + tl.load(heads + m) * 7) * 11
+            row = seg_ptr + tl.load(head_ptr + tl.load(heads + m) * HEAD) * SEG
             t_kept = tl.load(row + 1).to(tl.int32)
             start = (tl.load(row + 2) - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
             rows = elem_ptr + start + (t0 - tl.load(row)) * t_kept  # (from the segment's first token)
@@ -301,7 +300,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     gb = tl.program_id(1).to(tl.int64)
     tl.store(len_ptr, tl.load(len_ptr) + advance, mask=(w == 0) & (gb == 0))
     real = w < n_work  # a launch with no work item still runs program (0, 0) for the length
-    item = work_ptr + w * 10
+    item = work_ptr + w * WORK
     list_start = tl.load(item + 0, mask=real, other=0)
     count = tl.load(item + 1, mask=real, other=0)
     t_start = tl.load(item + 2, mask=real, other=0)
@@ -336,9 +335,9 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     if TK > 0:  # the structured members' queries at their kept channels (zero past them and in other rows)
         j = tl.arange(0, TK)
         own = row_ok & (member >= n_dense) & (member < n_struct)
-        seg_r = tl.load(head_ptr + qh_r * 7, mask=own, other=0)
-        t_r = tl.load(seg_ptr + seg_r * 11 + 1, mask=own, other=0)
-        chan_r = tl.load(seg_ptr + seg_r * 11 + 10, mask=own, other=0)
+        seg_r = tl.load(head_ptr + qh_r * HEAD, mask=own, other=0)
+        t_r = tl.load(seg_ptr + seg_r * SEG + 1, mask=own, other=0)
+        chan_r = tl.load(seg_ptr + seg_r * SEG + 10, mask=own, other=0)
         gm = own[:, None] & (j[None, :] < t_r[:, None])
         CHAN: tl.constexpr = tl.uint8 if D <= 256 else tl.int16
         chan = tl.load((chan_r[:, None] + j[None, :] * (1 if D <= 256 else 2)).to(tl.pointer_type(CHAN),
@@ -371,7 +370,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, list_ptr + list_start,
                               head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, ELEM, ESIZE,
                               D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, True)
-    slot = tl.load(head_ptr + qh_r * 7 + 4, mask=row_ok, other=0) + chunk
+    slot = tl.load(head_ptr + qh_r * HEAD + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
     tl.store(ml_ptr + at * 2, m_i, mask=row_ok)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from spark_bench.storage.segments import HEAD_COLS
 from spark_bench.storage.triton_math import _dot3, _online, _scores, _split3
+
+HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)  # (the head table's row width)
 
 
 @triton.jit
@@ -28,8 +31,8 @@ def _merge_kernel(q_ptr, head_ptr, acc_ptr, ml_ptr, tail_k_ptr, tail_v_ptr, new_
     g = gb * RM + tl.arange(0, R)
     ok = g < n_rows
     both = ok[:, None] & cm[None, :]
-    slot_base = tl.load(head_ptr + qh * 7 + 4)
-    n_slots = tl.load(head_ptr + qh * 7 + 5)
+    slot_base = tl.load(head_ptr + qh * HEAD + 4)
+    n_slots = tl.load(head_ptr + qh * HEAD + 5)
     m_i = tl.full((R,), float("-inf"), tl.float32)
     l_i = tl.zeros((R,), tl.float32)
     acc = tl.zeros((R, D_PAD), tl.float32)
