@@ -217,6 +217,7 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
                       append=work[:, 1:2])  # members per kind: dense, structured, bare, plain, signed
     kinds = (runs > 0).any(0).tolist()
     assert all(kinds) or chunk is None, kinds
+    assert tables.pairs == (head_dim != 64)  # ThinK's entries read in pairs, unless a segment keeps an odd count
     # the step's q_len tokens go in beside the tail (filled − q_len tokens in it), which the kernel writes them into
     new_k, new_v = tail_k[:, :, filled - q_len:filled].clone(), tail_v[:, :, filled - q_len:filled].clone()
     buf_k, buf_v = tail_k.clone(), tail_v.clone()

@@ -262,6 +262,7 @@ class FusedTables:
     members: int
     aligned: bool = False  # every value tensor and dense key run starts 16-byte aligned (16-byte loads)
     width: int = 0  # the kernel's TK: the structured (ThinK) segments' kept channels, padded (0: none)
+    pairs: bool = False  # every structured segment keeps an even number of channels from a 4-byte aligned start
 
     @staticmethod
     def chunk_of(n: int, block: int = 16) -> int:
@@ -283,9 +284,9 @@ class FusedTables:
     @classmethod
     def view(cls, packed: torch.Tensor, layout: tuple) -> "FusedTables":
         """The tables over ``packed`` (the device copy of :meth:`layout`'s list, or a slice of a larger upload)."""
-        a, b, c, slots, n_work, members, aligned, width = layout
+        a, b, c, slots, n_work, members, aligned, width, pairs = layout
         return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], packed[a + b + c:], slots, n_work,
-                   members, aligned, width)
+                   members, aligned, width, pairs)
 
     @classmethod
     def layout(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
@@ -370,8 +371,9 @@ class FusedTables:
         rows = (keys.head_dim * keys.dtype.itemsize) % 16 == 0
         aligned = rows and all(r[4] % 16 == 0 for r in work) and all(r[2] % 16 == 0 for r in seg_rows if r[8] == 3)
         width = max(32, 1 << (widest - 1).bit_length()) if widest else 0
+        pairs = all(r[1] % 2 == 0 and r[2] % 4 == 0 for r in seg_rows if r[10])  # (structured segments)
         return flat, (SEG_COLS * len(seg_rows), HEAD_COLS * n_heads, WORK_COLS * len(work), slots, len(work), members,
-                      aligned, width)
+                      aligned, width, pairs)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed)

@@ -212,7 +212,7 @@ def _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, li
 def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, head_ptr, seg_ptr, aux_ptr, c,
           n_dense, n_struct, n_bare, n_plain, count, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
           D_PAD: tl.constexpr, ROWS_: tl.constexpr, BLOCK_: tl.constexpr, VALIGN: tl.constexpr, TK: tl.constexpr,
-          MASKED: tl.constexpr):
+          PAIRS: tl.constexpr, MASKED: tl.constexpr):
     """One block of ``BLOCK_`` tokens from ``t0``: the values, every member's logits (one loop per kind, in the
     order :class:`~spark_bench.storage.segments.FusedTables` sorts them), the online softmax. Without ``MASKED``
     (a whole block) nothing is masked and the values and dense keys are addressed from the block's first row by
@@ -261,7 +261,14 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
             start = (tl.load(row + 2) - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
             rows = elem_ptr + start + (t0 - tl.load(row)) * t_kept  # (from the segment's first token)
             at = tt[:, None] * t_kept + j[None, :]
-            if MASKED:
+            if ELEM == tl.bfloat16 and PAIRS and not MASKED:  # entries read in pairs, as 32-bit words
+                jp = tl.arange(0, TK // 2)
+                words = tl.load((rows + (tt[:, None] * t_kept + 2 * jp[None, :])).to(tl.pointer_type(tl.int32)),
+                                mask=(2 * jp < t_kept)[None, :], other=0)
+                lo = (words & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                hi = (words >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                k = tl.reshape(tl.join(lo, hi), (BLOCK_, TK))
+            elif MASKED:
                 k = tl.load(rows + at, mask=live[:, None] & (j < t_kept)[None, :], other=0.0)
             else:
                 k = tl.load(rows + at, mask=(j < t_kept)[None, :], other=0.0)
@@ -292,9 +299,10 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
 def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_ptr, ml_ptr, elem_ptr, len_ptr,
                      n_rows, q_stride, scale, n_work, advance, D: tl.constexpr, D_PAD: tl.constexpr,
                      RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr,
-                     VALIGN: tl.constexpr = False, TK: tl.constexpr = 0):
+                     VALIGN: tl.constexpr = False, TK: tl.constexpr = 0, PAIRS: tl.constexpr = False):
     """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor.
-    ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads). Program (0, 0) also
+    ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads); ``PAIRS``: every
+    structured segment keeps an even number of channels from a 4-byte aligned start (its entries read in pairs). Program (0, 0) also
     advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
     w = tl.program_id(0).to(tl.int64)
     gb = tl.program_id(1).to(tl.int64)
@@ -365,11 +373,11 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     for t0 in range(t_start, full_end, BLOCK_):
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, list_ptr + list_start,
                               head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, ELEM, ESIZE,
-                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, False)
+                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, False)
     for t0 in range(full_end, t_end, BLOCK_):
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, list_ptr + list_start,
                               head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, ELEM, ESIZE,
-                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, True)
+                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, True)
     slot = tl.load(head_ptr + qh_r * HEAD + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
@@ -402,7 +410,7 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
                  q.stride(0), scale, tables.n_work, advance),
                 dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK[elem.element_size()],
                      ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
-                     TK=getattr(tables, "width", 0),
+                     TK=getattr(tables, "width", 0), PAIRS=bool(getattr(tables, "pairs", False)),
                      num_warps=PARTIAL_WARPS[elem.element_size()], num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
     # a decode step's few rows: no padding to 16, except for bfloat16 tails (tensor-core dots need 16 rows)
     rm = ROWS if tail_keys.dtype == torch.bfloat16 else min(triton.next_power_of_2(n), ROWS)
