@@ -209,6 +209,25 @@ def _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, li
 
 
 @triton.jit
+def _rows_dot(a1, a2, a3, k, ELEM: tl.constexpr):
+    """``a · kᵀ`` in float32 for keys ``k (n, channels)`` in their rows: bfloat16 keys on the tensor cores against
+    ``a``'s three bfloat16 terms (:func:`_dot3`, float32 products), float32 keys by an FMA dot against ``a₁``."""
+    if ELEM == tl.bfloat16:
+        return _dot3(a1, a2, a3, tl.trans(k), tl.zeros((a1.shape[0], k.shape[0]), tl.float32))
+    else:
+        return tl.dot(a1, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _into(s, sm, member, m, live, MASKED: tl.constexpr):
+    """Member ``m``'s rows of ``s`` from its logits ``sm`` (the block's live tokens only, when ``MASKED``)."""
+    if MASKED:
+        return tl.where((member == m)[:, None] & live[None, :], sm, s)
+    else:
+        return tl.where((member == m)[:, None], sm, s)
+
+
+@triton.jit
 def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, head_ptr, seg_ptr, aux_ptr, c,
           n_dense, n_struct, n_bare, n_plain, count, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
           D_PAD: tl.constexpr, ROWS_: tl.constexpr, BLOCK_: tl.constexpr, VALIGN: tl.constexpr, TK: tl.constexpr,
@@ -242,15 +261,7 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
             k = tl.load(rows + inside, mask=both, other=0.0)
         else:
             k = tl.load(rows + inside)
-        if ELEM == tl.bfloat16:
-            q1, q2, q3, qa1, qa2, qa3 = qs
-            sm = _dot3(q1, q2, q3, tl.trans(k), tl.zeros((ROWS_, BLOCK_), tl.float32))
-        else:
-            sm = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
-        if MASKED:
-            s = tl.where((member == m)[:, None] & live[None, :], sm, s)
-        else:
-            s = tl.where((member == m)[:, None], sm, s)
+        s = _into(s, _rows_dot(qs[0], qs[1], qs[2], k, ELEM), member, m, live, MASKED)
     if TK > 0:
         # structured keys (ThinK): each token's TK-wide row of the segment's kept channels, against the queries
         # gathered at those channels once per program (qg): a TK-deep dot, no mask read
@@ -272,16 +283,7 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
                 k = tl.load(rows + at, mask=live[:, None] & (j < t_kept)[None, :], other=0.0)
             else:
                 k = tl.load(rows + at, mask=(j < t_kept)[None, :], other=0.0)
-            if ELEM == tl.bfloat16:
-                g1, g2, g3 = qg
-                sm = _dot3(g1, g2, g3, tl.trans(k), tl.zeros((ROWS_, BLOCK_), tl.float32))
-            else:
-                g1, g2, g3 = qg
-                sm = tl.dot(g1, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
-            if MASKED:
-                s = tl.where((member == m)[:, None] & live[None, :], sm, s)
-            else:
-                s = tl.where((member == m)[:, None], sm, s)
+            s = _into(s, _rows_dot(qg[0], qg[1], qg[2], k, ELEM), member, m, live, MASKED)
     for m in range(n_struct, n_bare):  # compact keys (or AdaKV validity), pruned entries 0
         s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
                            D_PAD, BLOCK_, False, False)
