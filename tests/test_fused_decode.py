@@ -411,14 +411,14 @@ def test_the_rank_popcount_counts_the_set_bits_of_every_word(triton_on_cpu):
     import triton
     import triton.language as tl
 
-    from spark_bench.storage import triton_decode
+    from spark_bench.storage import triton_math
 
-    globals()["triton_decode"] = triton_decode  # (a kernel reads its module's names, not the test's locals)
+    globals()["triton_math"] = triton_math  # (a kernel reads its module's names, not the test's locals)
 
     @triton.jit
     def count(x_ptr, out_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
-        tl.store(out_ptr + i, triton_decode._popc(tl.load(x_ptr + i).to(tl.uint32, bitcast=True)))
+        tl.store(out_ptr + i, triton_math._popc(tl.load(x_ptr + i).to(tl.uint32, bitcast=True)))
 
     words = [0, 1, 3, -1, -2 ** 31, 2 ** 31 - 1, 0x55555555, 0x0F0F0F0F, -0x55555556, 0x00010000]
     words += torch.randint(-2 ** 31, 2 ** 31, (54,), generator=torch.Generator().manual_seed(0)).tolist()
