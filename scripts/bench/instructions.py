@@ -244,6 +244,16 @@ def token_loop(k: dict, masked: bool = False) -> tuple[dict, dict]:
     return token, kinds
 
 
+def block_instructions(loop: dict, loops: dict, member_kinds: list[str]) -> int:
+    """What one block of the token ``loop`` runs for a work item whose members have ``member_kinds``: the loop's
+    instructions that run every block, each member's loop, and a kind's guarded preamble once if the item has a
+    member of that kind."""
+    own = loop.get("common", loop["instructions"])
+    present = {kind for kind in member_kinds if loops[kind] is not None}
+    return own + sum(loops[kind].get("guard", 0) for kind in present) + sum(
+        loops[kind]["instructions"] for kind in member_kinds if loops[kind] is not None)
+
+
 def model_partials(k: dict, items: list[dict], device: Device) -> dict:
     """Instructions, bytes and modelled time of the partials kernel over ``items``."""
     block, warps = k["constants"]["BLOCK_"], k["num_warps"]
@@ -257,16 +267,8 @@ def model_partials(k: dict, items: list[dict], device: Device) -> dict:
         whole = it["heads"] * (full * (it["chunk"] // block) + rest // block)  # blocks of the steady-state loop
         partial = it["heads"] * (full * bool(it["chunk"] % block) + bool(rest % block))  # a chunk's last, masked
         member_kinds = it.get("kinds") or ["signed"] * it["members"]
-
-        def per_block(loop, loops):
-            """The token loop's instructions that run every block, and each member's loop; a kind's guarded
-            preamble once if the item has a member of that kind."""
-            own = loop.get("common", loop["instructions"])
-            present = {kind for kind in member_kinds if loops[kind] is not None}
-            return own + sum(loops[kind].get("guard", 0) for kind in present) + sum(
-                loops[kind]["instructions"] for kind in member_kinds if loops[kind] is not None)
-
-        in_loops = whole * per_block(token, kinds) + partial * per_block(last, last_kinds)
+        in_loops = (whole * block_instructions(token, kinds, member_kinds)
+                    + partial * block_instructions(last, last_kinds, member_kinds))
         loop_instr += warps * in_loops
         instr += warps * (in_loops + it["programs"] * k["outside_loops"])
         byte += it["tokens"] * it["heads"] * it["bytes_per_token"]
