@@ -17,11 +17,14 @@ from spark_bench.storage.gpu_compile import Launch, compile_launch, guarded, i32
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
-# the production decode step: head_dim 128, 4 query heads per kv-head, bf16, q_len=1 (Llama-3-8B, Qwen3-8B)
-CASES = [(Launch(kernel, 128, 4), arch) for arch in (90, 80) for kernel in ("partials", "merge")]
+# the production decode step: head_dim 128, 4 query heads per kv-head, bf16, q_len=1 (Llama-3-8B, Qwen3-8B); the
+# partials kernel with every member loop and as a ThinK row alone launches it (structured and bare keys: kinds 6)
+CASES = [(Launch(kernel, 128, 4), arch) for arch in (90, 80) for kernel in ("partials", "merge")] + [
+    (Launch("partials", 128, 4, kinds=6), 90)]
 
 
-@pytest.mark.parametrize("launch,arch", CASES, ids=lambda x: f"sm_{x}" if isinstance(x, int) else x.kernel)
+@pytest.mark.parametrize("launch,arch", CASES,
+                         ids=lambda x: f"sm_{x}" if isinstance(x, int) else f"{x.kernel}-{x.kinds}")
 def test_kernel_compiles_for_the_gpu_as_launched(launch, arch):
     report = compile_launch(launch, arch)
     assert report.i32_address_multiplies == 0
@@ -29,6 +32,9 @@ def test_kernel_compiles_for_the_gpu_as_launched(launch, arch):
     assert report.spill_bytes == 0, report
     if launch.kernel == "merge":
         assert report.constants["q_len"] == 1  # the launcher's specialisation of a decode step
+    if launch.kernel == "partials":  # a kernel specialised to the kinds its tables hold
+        assert report.constants["KINDS"] == launch.kinds
+        assert (report.constants["TK"] > 0) == bool(launch.kinds & 2)
 
 
 def test_the_address_check_sees_32_bit_offsets():
@@ -90,6 +96,9 @@ def test_the_instruction_budget_script_reads_a_launched_kernel():
     # pruned entries read as 0: no recovery dot (three split-term dots instead of six)
     assert kinds["bare"]["tensor_core"] == kinds["dense"]["tensor_core"] < kinds["plain"]["tensor_core"]
     assert kinds["dense"]["global_loads"].get(1, 0) == 0 and token["global_loads"].get(16)  # 16-byte value loads
+    # a launch's KINDS: a bit per kind its work items hold, in the kernel's order
+    assert bench.kinds_of([{"kinds": ["structured", "structured"]}, {"kinds": ["bare"]}]) == 0b110
+    assert bench.kinds_of([{"kinds": ["dense", "signed"]}]) == 0b10001
     item = {"members": 2, "kinds": ["dense", "signed"], "tokens": 1024, "chunk": 1024, "programs": 1, "heads": 1,
             "bytes_per_token": 600, "key_bytes_per_token": [256, 88], "value_bytes_per_token": 256}
     p = bench.model_partials(k, [item], bench.DEVICES[90])

@@ -177,27 +177,31 @@ def triton_kernels():
 
 FUSED_CASES = [  # head_dim, group, q_len, dtype, chunk: every kind in one launch; a suffix; head_dim 96 padded to
     # 128; the production shape; work items of 48 tokens (a whole block and a masked one each; ThinK's items before
-    # its recent tokens read as structured keys); a bfloat16 suffix
+    # its recent tokens read as structured keys); a bfloat16 suffix; rows without compact keys (a kernel with the
+    # dense, structured and bare loops alone)
     (64, 3, 1, torch.bfloat16, None), (32, 2, 3, torch.float32, 48), (96, 4, 1, torch.float32, None),
-    (128, 4, 1, torch.bfloat16, 48), (32, 4, 5, torch.bfloat16, None)]  # (20 query rows: two merge programs)
+    (128, 4, 1, torch.bfloat16, 48), (32, 4, 5, torch.bfloat16, None),  # (20 query rows: two merge programs)
+    (64, 4, 1, torch.bfloat16, 48, ["dense", "think_no_window", "think_window"])]
 
 
-@pytest.mark.parametrize("head_dim,group,q_len,dtype,chunk", FUSED_CASES,
+@pytest.mark.parametrize("head_dim,group,q_len,dtype,chunk,only", [(*c, None)[:6] for c in FUSED_CASES],
                          ids=lambda x: str(x).replace("torch.", ""))
-def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, q_len, dtype, chunk):
+def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, q_len, dtype, chunk, only):
     """Every store kind (SparK official / paper degenerate, zero, none, constant, fork_pool0, ThinK with and without
-    its dense window, dense keys) in one launch, rows of different lengths, three rows sharing one value tensor (read
-    once per work item), AdaKV validity bits on one row, the decoded tail causal for a suffix: equal to float64
-    softmax attention within 1e-5 relative (float32 logits and softmax; the only rounding is float32 summation).
-    With ``chunk``, every member loop of the kernel runs (``kinds``: its columns of the work table)."""
+    its dense window, dense keys) in one launch (or ``only`` these), rows of different lengths, three rows sharing
+    one value tensor (read once per work item), AdaKV validity bits on one row, the decoded tail causal for a suffix:
+    equal to float64 softmax attention within 1e-5 relative (float32 logits and softmax; the only rounding is float32
+    summation). With ``chunk``, every member loop of the kernel runs (``kinds``: its columns of the work table); the
+    kernel is specialised to the kinds the work items hold (``tables.kinds``: a bit each, the others' loops absent)."""
     kinds = ["spark_official", "spark_paper", "spark_zero", "spark_fork_pool0", "think_window", "dense"]
     if head_dim == 64:
         kinds += ["spark_none", "spark_constant", "think_no_window", "spark_paper_constant"]
+    kinds = only or kinds
     stores = _stores(dtype, head_dim, group, kinds, seed=3, device=DEVICE)
     g = torch.Generator().manual_seed(4)
     values = [DenseStore(torch.randn(1, 2, s.length, head_dim, generator=g).to(DEVICE, dtype)) for s in stores]
     shared = DenseStore(torch.randn(1, 2, 60, head_dim, generator=g).to(DEVICE, dtype))  # rows sharing values
-    same = _stores(dtype, head_dim, group, ["spark_official", "think_window", "dense"], seed=5, device=DEVICE,
+    same = _stores(dtype, head_dim, group, only or ["spark_official", "think_window", "dense"], seed=5, device=DEVICE,
                    length=60)
     stores, values = stores + same, values + [shared] * len(same)
     n, cap, filled = len(stores), 7, 5
@@ -216,7 +220,8 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
     runs = torch.diff(work[:, 6:10], dim=1, prepend=torch.zeros_like(work[:, :1]),
                       append=work[:, 1:2])  # members per kind: dense, structured, bare, plain, signed
     kinds = (runs > 0).any(0).tolist()
-    assert all(kinds) or chunk is None, kinds
+    assert tables.kinds == sum(1 << k for k, held in enumerate(kinds) if held)  # the kernel's loops: these kinds'
+    assert (all(kinds) if only is None else kinds == [True, True, True, False, False]) or chunk is None, kinds
     assert tables.pairs == (head_dim != 64)  # ThinK's entries read in pairs, unless a segment keeps an odd count
     # the step's q_len tokens go in beside the tail (filled − q_len tokens in it), which the kernel writes them into
     new_k, new_v = tail_k[:, :, filled - q_len:filled].clone(), tail_v[:, :, filled - q_len:filled].clone()

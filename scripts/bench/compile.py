@@ -2,11 +2,13 @@
 compiler and bundled ptxas), bound as Triton's launcher binds the dispatch's arguments (``q_len=1`` a constant,
 aligned pointers marked; :func:`spark_bench.storage.gpu_compile.compile_launch`): registers, spill bytes, 32-bit
 address multiplies, compile seconds, for bf16 and fp32, a decode step and a 16-token suffix →
-results/bench/compile.json."""
+results/bench/compile.json. The partials kernel is specialised to the member kinds its tables hold (``KINDS``): every
+launch compiles with all of them (a batch of mixed configs), and a decode step's also with each set one method's rows
+alone launch (:data:`ALONE`)."""
 
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -15,6 +17,10 @@ from spark_bench.storage.gpu_compile import compile_launch, launches  # noqa: E4
 
 # (head_dim, query heads per kv-head): SmolLM2-135M 64/3, Llama-3(.1)-8B and Qwen3-8B 128/4, 70B and Qwen3-32B 128/8
 SHAPES = [(64, 3), (128, 4), (128, 8)]
+# the partials kernel's KINDS when one method's rows decode alone: full or eviction (dense keys), ThinK (structured
+# keys, bare where an item holds its recent tokens), SparK zero/none or AdaKV (bare), paper/constant recoveries
+# (plain), the official recovery (signed)
+ALONE = {"dense": 1, "think": 6, "bare": 4, "plain": 8, "signed": 16}
 
 
 def main(out: str = "results/bench/compile.json") -> None:
@@ -22,11 +28,14 @@ def main(out: str = "results/bench/compile.json") -> None:
     for arch in (80, 90):
         for itemsize in (2, 4):
             for head_dim, group in SHAPES:
-                for launch in launches(head_dim, group, itemsize):
+                every = launches(head_dim, group, itemsize)
+                alone = [replace(x, kinds=k) for x in every if x.kernel == "partials" and x.q_len == 1
+                         for k in ALONE.values()]
+                for launch in every + alone:
                     row = asdict(compile_launch(launch, arch))
                     row.pop("sass")
                     row.update(head_dim=head_dim, group=group, q_len=launch.q_len, dtype={2: "bf16", 4: "fp32"}[
-                        itemsize])
+                        itemsize], kinds=launch.kinds)
                     rows.append(row)
                     print(row, flush=True)
     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -94,7 +94,8 @@ def kernel_figures(launch: Launch, arch: int) -> dict:
                 "common": len(own) - sum(x["guard"] for x in inner), "inner": inner}
 
     in_loops = sum(loop.end - loop.start + 1 for loop in loops)
-    return {"kernel": launch.kernel, "arch": arch, "constants": c.constants, "registers": c.registers,
+    return {"kernel": launch.kernel, "arch": arch, "kinds": [k for i, k in enumerate(KINDS) if launch.kinds >> i & 1],
+            "constants": c.constants, "registers": c.registers,
             "spill_bytes": c.spill_bytes, "shared_bytes": c.shared_bytes, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "ctas_per_sm": ctas_per_sm(c.registers, c.num_warps, c.shared_bytes,
                                                                    DEVICES[arch]),
@@ -229,8 +230,9 @@ def token_loop(k: dict, masked: bool = False) -> tuple[dict, dict]:
     loops = k["loops"]
     holding = [x for x in loops if x["inner"]]
     token = holding[min(int(masked), len(holding) - 1)] if holding else max(loops, key=lambda x: x["instructions"])
-    if len(token["inner"]) == 5:
-        return token, dict(zip(KINDS, token["inner"]))
+    compiled = k.get("kinds", KINDS)  # a specialisation's loops: its kinds', in source order
+    if len(token["inner"]) == len(compiled):
+        return token, {kind: token["inner"][compiled.index(kind)] if kind in compiled else None for kind in KINDS}
     if len(token["inner"]) == 4:
         loops4 = dict(zip(("dense", "bare", "plain", "signed"), token["inner"]))
         return token, {**loops4, "structured": loops4["bare"]}
@@ -305,17 +307,29 @@ def model_merge(k: dict, scenario: dict, device: Device) -> dict:
             "modelled_s": max(byte / device.bandwidth, instr / device.issue_rate)}
 
 
+def kinds_of(items: list[dict]) -> int:
+    """The partials kernel's ``KINDS`` for a launch of ``items`` (:meth:`FusedTables.layout`'s bit per kind held)."""
+    return sum({1 << KINDS.index(kind) for it in items for kind in it.get("kinds") or ["signed"]})
+
+
 def measure(archs=(90, 80), only: str | None = None) -> dict:
+    """Every kernel specialisation the scenarios launch (the partials kernel's by the kinds its tables hold; the
+    superset, every member loop, as ``partials``), on each arch, and each scenario modelled on its own."""
     out = {"kernels": {}, "scenarios": {}}
     cases = scenarios() if only is None else {}
     for arch in archs:
         device = DEVICES[arch]
         kernels = {x.kernel: kernel_figures(x, arch) for x in (Launch("partials", 128, 4), Launch("merge", 128, 4))
                    if only in (None, x.kernel)}
-        out["kernels"][f"sm_{arch}"] = kernels
+        by_kinds = {(1 << len(KINDS)) - 1: kernels["partials"]} if "partials" in kernels else {}
         rows = {}
         for name, case in cases.items():
-            p = model_partials(kernels["partials"], case["items"], device)
+            mask = kinds_of(case["items"])
+            if mask not in by_kinds:
+                by_kinds[mask] = kernel_figures(Launch("partials", 128, 4, kinds=mask), arch)
+            p = model_partials(by_kinds[mask], case["items"], device)
+            p["kinds"], p["registers"] = by_kinds[mask]["kinds"], by_kinds[mask]["registers"]
+            p["spill_bytes"], p["ctas_per_sm"] = by_kinds[mask]["spill_bytes"], by_kinds[mask]["ctas_per_sm"]
             m = model_merge(kernels["merge"], case, device)
             total_bytes, total_instr = p["bytes"] + m["bytes"], p["warp_instructions"] + m["warp_instructions"]
             modelled = (p.pop("modelled_s") + m.pop("modelled_s")) * 1e6  # (unrounded: the fraction below)
@@ -324,6 +338,9 @@ def measure(archs=(90, 80), only: str | None = None) -> dict:
                           "layer_instr_per_byte": round(total_instr / total_bytes, 4),
                           "layer_modelled_us": round(modelled, 1),
                           "layer_fraction_of_bound": round(total_bytes / device.bandwidth * 1e6 / modelled, 3)}
+        kernels.update({f"partials[{'+'.join(k['kinds'])}]": k for mask, k in by_kinds.items()
+                        if k is not None and mask != (1 << len(KINDS)) - 1})
+        out["kernels"][f"sm_{arch}"] = kernels
         out["scenarios"][f"sm_{arch}"] = rows
     out["devices"] = {f"sm_{a}": {"name": d.name, "sms": d.sms, "clock_hz": d.clock_hz, "bandwidth": d.bandwidth,
                                   "latency_s": d.latency_s, "ipc": d.ipc, "budget_instr_per_byte": round(d.budget, 3)}

@@ -14,8 +14,9 @@ tokens, lane ``(W, TL)`` owns token ``TL``'s slots ``7W .. 7W + 6`` and groups `
 registers), compiled for sm_90 on this CPU (triton's compiler and bundled ptxas / nvdisasm, as
 :mod:`spark_bench.storage.gpu_compile` compiles the real kernel), and the member loop's own SASS instructions counted
 (the loops found by their back edges, :func:`~spark_bench.storage.gpu_compile.parse_sass`). The baseline is the real
-kernel as launched at the production shape (``Launch("partials", 128, 4)``): its token loop is the first top-level
-loop holding inner loops, its signed member loop that loop's last inner loop. Each layout's scores are also checked
+kernel as launched at the production shape for SparK rows with the official recovery alone
+(``Launch("partials", 128, 4, kinds=16)``: the signed member loop only): its token loop is the first top-level loop
+holding inner loops, its signed member loop that loop's last inner loop. Each layout's scores are also checked
 under Triton's interpreter (``TRITON_INTERPRET=1``, a child process) against a float64 torch reference: D = 128,
 26 kept channels, 3 members, 40 tokens (one full block and a partial one), every 10th token's mask (from the 4th)
 with empty words (all 26 kept in one word, or in 30 consecutive channels).
@@ -68,6 +69,7 @@ from spark_bench.storage.triton_math import INTERPRET, _popc  # noqa: E402
 from triton.language.extra.cuda import libdevice  # noqa: E402
 
 D, T, BLOCK, WARPS = 128, 26, 32, 4
+SIGNED = 16  # the partials kernel's KINDS for official-recovery SparK rows alone (its signed member loop)
 SPT = -(-T // 4)                      # kept slots per lane (7: a token's 26 entries over 4 lanes, 28 slots)
 LAYOUTS = {"A": 0, "B": 1, "C": 2, "W": 3}
 KEY_BYTES = {"today": 52 + 16 + 2 + 102 / 8, "A": 96, "B": 96, "C": 26 + 52 + 32 + 2, "W": 52 + 16 + 2 + 102 / 8}
@@ -409,7 +411,7 @@ def instr_per_byte(token: int, member: int, key_bytes: float, members: int, warp
 
 
 def main(out: str = "results/bench/member_layouts.json") -> None:
-    real = compile_launch(Launch("partials", 128, 4), 90, sass=True)
+    real = compile_launch(Launch("partials", 128, 4, kinds=SIGNED), 90, sass=True)
     token, signed = token_and_member(real.sass)
     warps, block = real.num_warps, real.constants["BLOCK_"]
     rows = {"today": dict(registers=real.registers, spill_bytes=real.spill_bytes, member_instructions=signed)}
@@ -426,7 +428,7 @@ def main(out: str = "results/bench/member_layouts.json") -> None:
     dirty = subprocess.run([*git, "status", "--porcelain", "spark_bench/storage"], capture_output=True,
                            text=True).stdout.strip()
     result = dict(arch=90, real_kernel=dict(source=head + (" + uncommitted spark_bench/storage edits" if dirty else ""),
-                                            launch="partials, head_dim 128, group 4, bf16, q_len 1", warps=warps,
+                                            launch="partials, head_dim 128, group 4, bf16, q_len 1, KINDS 16", warps=warps,
                                             block=block, registers=real.registers, token_loop_instructions=token),
                   value_bytes_per_token=VALUE_BYTES, budget=BUDGET, check=dict(head_dim=D, kept=T, **CHECK),
                   formula="(token_loop + n * member) * warps / (block * (value_bytes + n * key_bytes)), n = 1, 4",

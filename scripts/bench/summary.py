@@ -91,8 +91,10 @@ def instructions_section(d: dict | None, compiled: list | None = None) -> list[s
              "| version | arch | scenario | partials regs / spills | CTAs/SM | loop instr/B | in flight/SM | widest load | "
              "fraction of bound (limit) | layer incl. merge |", "|---|---|---|---|---|---|---|---|---|---|"]
     versions = {"before": "the kernel as issue 43 found it (its own model: every static instruction of the loops)",
-                "previous": "4f5cf03, the first rework (tensor-core scores, POPC ranks, 2 CTAs/SM)",
-                "after": "now (ThinK's structured loop, unmasked whole blocks, ex2 weights, tensor-core tail merge)"}
+                "previous": "76b8da2 (tensor-core scores, POPC ranks, 2 CTAs/SM, ThinK's structured loop, unmasked "
+                            "whole blocks, ex2 weights, tensor-core tail merge; one kernel with every member loop)",
+                "after": "now (the partials kernel specialised to the member kinds a launch's tables hold: each "
+                         "scenario's own kernel)"}
     lines[-2:-2] = [f"Versions: {', '.join(f'**{k}** = {v}' for k, v in versions.items() if k in d)}. From "
                     "`previous` on, a block is charged what it runs: the token loop's own instructions less the "
                     "preambles of member loops its work item has no member for.", ""]
@@ -105,9 +107,10 @@ def instructions_section(d: dict | None, compiled: list | None = None) -> list[s
             m = r["kernels"][arch]["merge"]
             for name, row in rows.items():
                 p = row["partials"]
+                own = {x: p.get(x, k[x]) for x in ("registers", "spill_bytes", "ctas_per_sm")}  # its specialisation's
                 lines.append(
-                    f"| {label} | {arch} | {name} | {k['registers']} / {k['spill_bytes']} (merge {m['registers']} / "
-                    f"{m['spill_bytes']}) | {k['ctas_per_sm']} | {p['instr_per_byte_loop']:.3f} "
+                    f"| {label} | {arch} | {name} | {own['registers']} / {own['spill_bytes']} (merge {m['registers']} / "
+                    f"{m['spill_bytes']}) | {own['ctas_per_sm']} | {p['instr_per_byte_loop']:.3f} "
                     f"({verdict(p['instr_per_byte_loop'] <= goal['instr_per_byte'])}) | "
                     f"{p['in_flight_per_sm'] / 1024:.1f} KB | {p['widest_load_bytes']} B | "
                     f"{p['fraction_of_bound']:.0%} ({p['limited_by']}) | {row['layer_fraction_of_bound']:.0%} |")
@@ -127,7 +130,9 @@ def instructions_section(d: dict | None, compiled: list | None = None) -> list[s
     if compiled:
         spilled = [r for r in compiled if r["spill_bytes"]]
         lines += ["", f"- `scripts/bench/compile.py`: {len(compiled)} launched specialisations (D 64/128, bf16/fp32, "
-                  f"decode step and 16-token suffix, sm_80/sm_90) compiled as launched: {len(spilled)} spill "
+                  "decode step and 16-token suffix, sm_80/sm_90; the partials kernel with every member loop and, "
+                  "for a decode step, as each method's rows alone launch it) compiled as launched: "
+                  f"{len(spilled)} spill "
                   f"({verdict(not spilled)}); registers {min(r['registers'] for r in compiled)}–"
                   f"{max(r['registers'] for r in compiled)}."]
     return lines

@@ -40,6 +40,7 @@ class Launch:
     q_len: int = 1
     itemsize: int = 2
     width: int = 32  # structured (ThinK) keys' kept channels, padded (the partials kernel's TK; 0: none)
+    kinds: int = 31  # the member kinds its tables hold (the partials kernel's KINDS; no structured bit: TK = 0)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ def _arguments(launch: Launch):
     a, b, c = 2 * SEG_COLS, 2 * HEAD_COLS, 2 * WORK_COLS  # two rows of each table
     tables = SimpleNamespace(seg=packed[:a], head=packed[a:a + b], work=packed[a + b:a + b + c],
                              lists=packed[a + b + c:a + b + c + 2], n_slots=4, n_work=2, members=members,
-                             aligned=True, width=launch.width, pairs=True)
+                             aligned=True, width=launch.width if launch.kinds & 2 else 0, pairs=True,
+                             kinds=launch.kinds)
     aux = torch.ones(heads, d)
     for kernel, _, args, kwargs in triton_decode.launches(q, 0.088, aux, tables, tail_k, new, new, tail_k, tail_v,
                                                           torch.zeros(1, dtype=torch.int64), launch.q_len, 0,

@@ -263,6 +263,7 @@ class FusedTables:
     aligned: bool = False  # every value tensor and dense key run starts 16-byte aligned (16-byte loads)
     width: int = 0  # the kernel's TK: the structured (ThinK) segments' kept channels, padded (0: none)
     pairs: bool = False  # every structured segment keeps an even number of channels from a 4-byte aligned start
+    kinds: int = 31  # the member kinds its work items hold (bit k: kind k of :meth:`layout`): the kernel's loops
 
     @staticmethod
     def chunk_of(n: int, block: int = 16) -> int:
@@ -284,9 +285,9 @@ class FusedTables:
     @classmethod
     def view(cls, packed: torch.Tensor, layout: tuple) -> "FusedTables":
         """The tables over ``packed`` (the device copy of :meth:`layout`'s list, or a slice of a larger upload)."""
-        a, b, c, slots, n_work, members, aligned, width, pairs = layout
+        a, b, c, slots, n_work, members, aligned, width, pairs, kinds = layout
         return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], packed[a + b + c:], slots, n_work,
-                   members, aligned, width, pairs)
+                   members, aligned, width, pairs, kinds)
 
     @classmethod
     def layout(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
@@ -328,7 +329,7 @@ class FusedTables:
         for qh in range(n_heads):
             slot_base.append(slots)
             slots += -(-tokens[qh] // chunks[qh])
-        work, lists = [], []
+        work, lists, present = [], [], 0  # present: the kinds the work items hold, a bit each
         modes = [r[8] for r in seg_rows]
         bare = [r[8] == MODES["dense"] or (r[8] == MODES["constant"] and r[9] == 0) for r in seg_rows]
 
@@ -352,6 +353,8 @@ class FusedTables:
             for k, t0 in enumerate(range(0, n, step)):
                 t1 = min(t0 + step, n)
                 kinds = {qh: kind(qh, t1) for qh in heads}
+                for x in kinds.values():
+                    present |= 1 << x
                 ordered = tuple(sorted(heads, key=kinds.get))  # an item's heads by kind: one kernel loop per kind
                 for i in range(0, len(ordered), members):
                     batch = ordered[i:i + members]
@@ -370,10 +373,11 @@ class FusedTables:
         flat += lists
         rows = (keys.head_dim * keys.dtype.itemsize) % 16 == 0
         aligned = rows and all(r[4] % 16 == 0 for r in work) and all(r[2] % 16 == 0 for r in seg_rows if r[8] == 3)
-        width = max(32, 1 << (widest - 1).bit_length()) if widest else 0
+        # the structured loop's width (TK), 0 when no work item has structured keys (the kernel then has no such loop)
+        width = max(32, 1 << (widest - 1).bit_length()) if widest and present & 2 else 0
         pairs = all(r[1] % 2 == 0 and r[2] % 4 == 0 for r in seg_rows if r[10])  # (structured segments)
         return flat, (SEG_COLS * len(seg_rows), HEAD_COLS * n_heads, WORK_COLS * len(work), slots, len(work), members,
-                      aligned, width, pairs)
+                      aligned, width, pairs, present)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed)

@@ -32,7 +32,9 @@ like the values); structured keys (ThinK's channel subset, in work items before 
 ``T`` kept entries against the queries gathered at those channels once per program, a ``TK``-deep dot, no mask read);
 keys whose pruned entries read as 0 (SparK's zero/none recoveries, AdaKV rows, ThinK's item holding its recent
 tokens: no recovery term); compact keys with a recovery without signs (SparK's paper/constant recoveries); with signs
-(SparK's official recovery). Whole blocks run unmasked, addressed by 32-bit offsets from the block's first row; a
+(SparK's official recovery); a launch compiles only the loops of the kinds its tables hold (``KINDS``,
+:attr:`FusedTables.kinds <spark_bench.storage.segments.FusedTables>`: a batch without compact keys runs a kernel with
+neither their registers nor their preambles). Whole blocks run unmasked, addressed by 32-bit offsets from the block's first row; a
 chunk's last, partial block runs masked in a second loop. Softmax weights are ``2^(s·log₂e − m·log₂e)``
 (``ex2.approx.ftz``) and their row sums are kept per column until the chunk ends. A member's
 table row is read as scalars (L1-resident), never picked out of registers. Values (and dense keys) are addressed
@@ -75,6 +77,7 @@ NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does
 MAX_REGISTERS = 255
 MERGE_WARPS = 4  # the merge of a decode step (a few query rows per head)
 MERGE_BLOCK = 16  # tail tokens per step of the merge
+ALL_KINDS = 31  # every member loop (the KINDS of tables that do not say which kinds they hold)
 
 
 @triton.jit
@@ -100,11 +103,11 @@ def _into(s, sm, member, m, live, MASKED: tl.constexpr):
 def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, head_ptr, seg_ptr, aux_ptr, c,
           n_dense, n_struct, n_bare, n_plain, count, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
           D_PAD: tl.constexpr, ROWS_: tl.constexpr, BLOCK_: tl.constexpr, VALIGN: tl.constexpr, TK: tl.constexpr,
-          PAIRS: tl.constexpr, MASKED: tl.constexpr):
+          PAIRS: tl.constexpr, MASKED: tl.constexpr, KINDS: tl.constexpr):
     """One block of ``BLOCK_`` tokens from ``t0``: the values, every member's logits (one loop per kind, in the
-    order :class:`~spark_bench.storage.segments.FusedTables` sorts them), the online softmax. Without ``MASKED``
-    (a whole block) nothing is masked and the values and dense keys are addressed from the block's first row by
-    32-bit offsets."""
+    order :class:`~spark_bench.storage.segments.FusedTables` sorts them; a kind's loop only where ``KINDS`` has its
+    bit), the online softmax. Without ``MASKED`` (a whole block) nothing is masked and the values and dense keys are
+    addressed from the block's first row by 32-bit offsets."""
     tt = tl.arange(0, BLOCK_)
     t = t0 + tt.to(tl.int64)
     inside = (tt[:, None] * D + c[None, :])  # (32-bit) offsets of a block's rows of D channels
@@ -120,17 +123,18 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
         else:
             v = tl.load(values + t0 * D + inside, mask=both, other=0.0)
     s = tl.full((ROWS_, BLOCK_), float("-inf"), tl.float32)
-    for m in range(0, n_dense):  # dense keys: rows of D channels, like the values
-        seg = tl.load(head_ptr + tl.load(heads + m) * HEAD)
-        start = (tl.load(seg_ptr + seg * SEG + 2) - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
-        if VALIGN:
-            start = tl.multiple_of(start, 16 // ESIZE)
-        rows = elem_ptr + start + (t0 - tl.load(seg_ptr + seg * SEG)) * D  # (from the segment's first token)
-        if MASKED or D != D_PAD:
-            k = tl.load(rows + inside, mask=both, other=0.0)
-        else:
-            k = tl.load(rows + inside)
-        s = _into(s, _rows_dot(qs[0], qs[1], qs[2], k, ELEM), member, m, live, MASKED)
+    if KINDS & 1:
+        for m in range(0, n_dense):  # dense keys: rows of D channels, like the values
+            seg = tl.load(head_ptr + tl.load(heads + m) * HEAD)
+            start = (tl.load(seg_ptr + seg * SEG + 2) - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
+            if VALIGN:
+                start = tl.multiple_of(start, 16 // ESIZE)
+            rows = elem_ptr + start + (t0 - tl.load(seg_ptr + seg * SEG)) * D  # (from the segment's first token)
+            if MASKED or D != D_PAD:
+                k = tl.load(rows + inside, mask=both, other=0.0)
+            else:
+                k = tl.load(rows + inside)
+            s = _into(s, _rows_dot(qs[0], qs[1], qs[2], k, ELEM), member, m, live, MASKED)
     if TK > 0:
         # structured keys (ThinK): each token's TK-wide row of the segment's kept channels, against the queries
         # gathered at those channels once per program (qg): a TK-deep dot, no mask read
@@ -153,15 +157,18 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
             else:
                 k = tl.load(rows + at, mask=(j < t_kept)[None, :], other=0.0)
             s = _into(s, _rows_dot(qg[0], qg[1], qg[2], k, ELEM), member, m, live, MASKED)
-    for m in range(n_struct, n_bare):  # compact keys (or AdaKV validity), pruned entries 0
-        s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
-                           D_PAD, BLOCK_, False, False)
-    for m in range(n_bare, n_plain):  # compact keys with a recovery, no signs
-        s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
-                           D_PAD, BLOCK_, False)
-    for m in range(n_plain, count):  # compact keys with signs (official recovery)
-        s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
-                           D_PAD, BLOCK_, True)
+    if KINDS & 4:
+        for m in range(n_struct, n_bare):  # compact keys (or AdaKV validity), pruned entries 0
+            s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
+                               D_PAD, BLOCK_, False, False)
+    if KINDS & 8:
+        for m in range(n_bare, n_plain):  # compact keys with a recovery, no signs
+            s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
+                               D_PAD, BLOCK_, False)
+    if KINDS & 16:
+        for m in range(n_plain, count):  # compact keys with signs (official recovery)
+            s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
+                               D_PAD, BLOCK_, True)
     return _online(m_i, l_i, acc, s, v)
 
 
@@ -170,10 +177,15 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
 def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_ptr, ml_ptr, elem_ptr, len_ptr,
                      n_rows, q_stride, scale, n_work, advance, D: tl.constexpr, D_PAD: tl.constexpr,
                      RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr,
-                     VALIGN: tl.constexpr = False, TK: tl.constexpr = 0, PAIRS: tl.constexpr = False):
+                     VALIGN: tl.constexpr = False, TK: tl.constexpr = 0, PAIRS: tl.constexpr = False,
+                     KINDS: tl.constexpr = 31):
     """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor.
     ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads); ``PAIRS``: every
-    structured segment keeps an even number of channels from a 4-byte aligned start (its entries read in pairs).
+    structured segment keeps an even number of channels from a 4-byte aligned start (its entries read in pairs);
+    ``KINDS``: the member kinds the tables' work items hold (bit k: kind k of
+    :meth:`~spark_bench.storage.segments.FusedTables.layout`, the structured one also ``TK > 0``): the loops of the
+    others are not compiled in (a launch without compact keys runs a kernel of ~190 registers whose token loop
+    issues ~70 fewer instructions per block, ``results/bench/instructions.json``).
     Program (0, 0) also advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
     w = tl.program_id(0).to(tl.int64)
     gb = tl.program_id(1).to(tl.int64)
@@ -244,11 +256,11 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     for t0 in range(t_start, full_end, BLOCK_):
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, list_ptr + list_start,
                               head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, ELEM, ESIZE,
-                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, False)
+                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, False, KINDS)
     for t0 in range(full_end, t_end, BLOCK_):
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, list_ptr + list_start,
                               head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, ELEM, ESIZE,
-                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, True)
+                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, True, KINDS)
     slot = tl.load(head_ptr + qh_r * HEAD + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
@@ -282,6 +294,7 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
                 dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK[elem.element_size()],
                      ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
                      TK=getattr(tables, "width", 0), PAIRS=bool(getattr(tables, "pairs", False)),
+                     KINDS=getattr(tables, "kinds", ALL_KINDS),
                      num_warps=PARTIAL_WARPS[elem.element_size()], num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
     # a decode step's few rows: no padding to 16, except for bfloat16 tails (tensor-core dots need 16 rows)
     rm = ROWS if tail_keys.dtype == torch.bfloat16 else min(triton.next_power_of_2(n), ROWS)
