@@ -14,13 +14,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from spark_bench.storage.gpu_compile import compile_launch, launches  # noqa: E402
+from spark_bench.storage.segments import KINDS  # noqa: E402
 
 # (head_dim, query heads per kv-head): SmolLM2-135M 64/3, Llama-3(.1)-8B and Qwen3-8B 128/4, 70B and Qwen3-32B 128/8
 SHAPES = [(64, 3), (128, 4), (128, 8)]
 # the partials kernel's KINDS when one method's rows decode alone: full or eviction (dense keys), ThinK (structured
 # keys, bare where an item holds its recent tokens), SparK zero/none or AdaKV (bare), paper/constant recoveries
 # (plain), the official recovery (signed)
-ALONE = {"dense": 1, "think": 6, "bare": 4, "plain": 8, "signed": 16}
+ALONE = {name: sum(1 << KINDS.index(k) for k in kinds) for name, kinds in (
+    ("dense", ["dense"]), ("think", ["structured", "bare"]), ("bare", ["bare"]), ("plain", ["plain"]),
+    ("signed", ["signed"]))}
 
 
 def main(out: str = "results/bench/compile.json") -> None:

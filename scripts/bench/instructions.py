@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from spark_bench.storage.gpu_compile import Launch, compile_launch, guarded, load_widths, parse_sass  # noqa: E402
+from spark_bench.storage.segments import ALL_KINDS, KINDS  # noqa: E402  (the kernel's member loops, in its order)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,6 @@ def eviction_key(cfg) -> tuple:
     return (cfg.name.split("+")[0], cfg.budget, cfg.budget_rounding, cfg.window_size, cfg.kernel_size, cfg.pooling)
 
 
-KINDS = ("dense", "structured", "bare", "plain", "signed")  # the kernel's member loops, in source order
 
 
 def member_kind(cfg, arch, dtype: str) -> tuple[str, int]:
@@ -321,7 +321,7 @@ def measure(archs=(90, 80), only: str | None = None) -> dict:
         device = DEVICES[arch]
         kernels = {x.kernel: kernel_figures(x, arch) for x in (Launch("partials", 128, 4), Launch("merge", 128, 4))
                    if only in (None, x.kernel)}
-        by_kinds = {(1 << len(KINDS)) - 1: kernels["partials"]} if "partials" in kernels else {}
+        by_kinds = {ALL_KINDS: kernels["partials"]} if "partials" in kernels else {}
         rows = {}
         for name, case in cases.items():
             mask = kinds_of(case["items"])
@@ -339,7 +339,7 @@ def measure(archs=(90, 80), only: str | None = None) -> dict:
                           "layer_modelled_us": round(modelled, 1),
                           "layer_fraction_of_bound": round(total_bytes / device.bandwidth * 1e6 / modelled, 3)}
         kernels.update({f"partials[{'+'.join(k['kinds'])}]": k for mask, k in by_kinds.items()
-                        if k is not None and mask != (1 << len(KINDS)) - 1})
+                        if k is not None and mask != ALL_KINDS})
         out["kernels"][f"sm_{arch}"] = kernels
         out["scenarios"][f"sm_{arch}"] = rows
     out["devices"] = {f"sm_{a}": {"name": d.name, "sms": d.sms, "clock_hz": d.clock_hz, "bandwidth": d.bandwidth,

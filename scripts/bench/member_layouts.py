@@ -65,11 +65,12 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from spark_bench.storage.gpu_compile import Launch, _target, _tool, compile_launch, guarded, parse_sass  # noqa: E402
+from spark_bench.storage.segments import KINDS  # noqa: E402
 from spark_bench.storage.triton_math import INTERPRET, _popc  # noqa: E402
 from triton.language.extra.cuda import libdevice  # noqa: E402
 
 D, T, BLOCK, WARPS = 128, 26, 32, 4
-SIGNED = 16  # the partials kernel's KINDS for official-recovery SparK rows alone (its signed member loop)
+SIGNED = 1 << KINDS.index("signed")  # the partials kernel's KINDS for official-recovery SparK rows alone
 SPT = -(-T // 4)                      # kept slots per lane (7: a token's 26 entries over 4 lanes, 28 slots)
 LAYOUTS = {"A": 0, "B": 1, "C": 2, "W": 3}
 KEY_BYTES = {"today": 52 + 16 + 2 + 102 / 8, "A": 96, "B": 96, "C": 26 + 52 + 32 + 2, "W": 52 + 16 + 2 + 102 / 8}

@@ -23,6 +23,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from spark_bench.storage.segments import ALL_KINDS
+
 ELEMENTS = {2: "bf16", 4: "fp32"}
 BIN = "backends/nvidia/bin"  # triton's bundled ptxas, cuobjdump and nvdisasm, under the triton package
 
@@ -40,7 +42,7 @@ class Launch:
     q_len: int = 1
     itemsize: int = 2
     width: int = 32  # structured (ThinK) keys' kept channels, padded (the partials kernel's TK; 0: none)
-    kinds: int = 31  # the member kinds its tables hold (the partials kernel's KINDS; no structured bit: TK = 0)
+    kinds: int = ALL_KINDS  # the member kinds its tables hold (the partials kernel's KINDS; no structured bit: TK = 0)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,10 @@ SEG_COLS = 11   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, s
 HEAD_COLS = 7   # seg_a, seg_b, split, valid_addr, slot_base, n_slots, n_tokens
 WORK_COLS = 10  # list_start, count, t_start, t_end, val_addr, chunk, then the ends of its kinds' runs of members:
 #                 n_dense, n_struct, n_bare, n_plain (the rest, to count, are signed)
+# the fused kernel's member loops, in its order: a work item's member of kind k (FusedTables.layout) runs loop k, and
+# a launch's tables hold a set of kinds, a bit each (FusedTables.kinds, the kernel's KINDS)
+KINDS = ("dense", "structured", "bare", "plain", "signed")
+ALL_KINDS = (1 << len(KINDS)) - 1
 
 
 @dataclass(frozen=True)
@@ -263,7 +267,7 @@ class FusedTables:
     aligned: bool = False  # every value tensor and dense key run starts 16-byte aligned (16-byte loads)
     width: int = 0  # the kernel's TK: the structured (ThinK) segments' kept channels, padded (0: none)
     pairs: bool = False  # every structured segment keeps an even number of channels from a 4-byte aligned start
-    kinds: int = 31  # the member kinds its work items hold (bit k: kind k of :meth:`layout`): the kernel's loops
+    kinds: int = ALL_KINDS  # the member kinds its work items hold (bit k: KINDS[k]): the kernel's loops
 
     @staticmethod
     def chunk_of(n: int, block: int = 16) -> int:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spark_bench.storage.segments import HEAD_COLS, SEG_COLS, WORK_COLS
+from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, SEG_COLS, WORK_COLS
 from spark_bench.storage.triton_compact import _member_scores
 from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _split3
 from spark_bench.storage.triton_merge import _merge_kernel
@@ -77,7 +77,6 @@ NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does
 MAX_REGISTERS = 255
 MERGE_WARPS = 4  # the merge of a decode step (a few query rows per head)
 MERGE_BLOCK = 16  # tail tokens per step of the merge
-ALL_KINDS = 31  # every member loop (the KINDS of tables that do not say which kinds they hold)
 
 
 @triton.jit
@@ -178,12 +177,12 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
                      n_rows, q_stride, scale, n_work, advance, D: tl.constexpr, D_PAD: tl.constexpr,
                      RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr,
                      VALIGN: tl.constexpr = False, TK: tl.constexpr = 0, PAIRS: tl.constexpr = False,
-                     KINDS: tl.constexpr = 31):
+                     KINDS: tl.constexpr = ALL_KINDS):
     """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor.
     ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads); ``PAIRS``: every
     structured segment keeps an even number of channels from a 4-byte aligned start (its entries read in pairs);
-    ``KINDS``: the member kinds the tables' work items hold (bit k: kind k of
-    :meth:`~spark_bench.storage.segments.FusedTables.layout`, the structured one also ``TK > 0``): the loops of the
+    ``KINDS``: the member kinds the tables' work items hold (bit k: :data:`~spark_bench.storage.segments.KINDS`
+    ``[k]``, the structured one also ``TK > 0``): the loops of the
     others are not compiled in (a launch without compact keys runs a kernel of ~190 registers whose token loop
     issues ~70 fewer instructions per block, ``results/bench/instructions.json``).
     Program (0, 0) also advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
