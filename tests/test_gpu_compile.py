@@ -88,8 +88,9 @@ def test_the_instruction_budget_script_reads_a_launched_kernel():
     k = bench.kernel_figures(Launch("partials", 128, 4), 90)
     assert k["spill_bytes"] == 0 and k["ctas_per_sm"] >= 1 and k["loops"]
     token, kinds = bench.token_loop(k)
-    assert kinds["dense"]["instructions"] < kinds["bare"]["instructions"] < kinds["plain"]["instructions"] \
-        <= kinds["signed"]["instructions"]
+    assert kinds["dense"]["instructions"] < kinds["bare"]["instructions"] < kinds["plain"]["instructions"]
+    # the official recovery's walk (a decode step): no key tile, no tensor-core dot; a slot loop nested in it
+    assert kinds["signed"]["tensor_core"] == 0 and kinds["signed"]["inner"]
     # ThinK's structured keys: a dot as deep as the kept channels (TK), no mask read
     assert kinds["structured"]["instructions"] < kinds["bare"]["instructions"]
     assert kinds["structured"]["tensor_core"] < kinds["dense"]["tensor_core"]
@@ -99,14 +100,19 @@ def test_the_instruction_budget_script_reads_a_launched_kernel():
     # a launch's KINDS: a bit per kind its work items hold, in the kernel's order
     assert bench.kinds_of([{"kinds": ["structured", "structured"]}, {"kinds": ["bare"]}]) == 0b110
     assert bench.kinds_of([{"kinds": ["dense", "signed"]}]) == 0b10001
-    item = {"members": 2, "kinds": ["dense", "signed"], "tokens": 1024, "chunk": 1024, "programs": 1, "heads": 1,
+    item = {"members": 2, "kinds": ["dense", "signed"], "trips": [0, 2], "tokens": 1024, "chunk": 1024,
+            "programs": 1, "heads": 1,
             "bytes_per_token": 600, "key_bytes_per_token": [256, 88], "value_bytes_per_token": 256}
     p = bench.model_partials(k, [item], bench.DEVICES[90])
     # the token loop's own instructions: those every block runs, and each member loop's guarded preamble (skipped
     # with its loop when the item has no member of that kind)
     assert token["common"] + sum(kinds[x]["guard"] for x in kinds) == token["instructions"]
     assert all(kinds[x]["guard"] > 0 for x in kinds)
-    per_block = token["common"] + sum(kinds[x]["guard"] + kinds[x]["instructions"] for x in ("dense", "signed"))
+    # the signed walk's slot loop, nested in its member loop, runs `trips` times a block
+    walk = kinds["signed"]["inner"]
+    assert len(walk) == 1 and walk[0]["global_loads"].get(16)  # (q and q ∘ a at a kept channel: 16-byte loads)
+    per_block = token["common"] + sum(kinds[x]["guard"] + kinds[x]["instructions"] for x in ("dense", "signed")) \
+        + 2 * walk[0]["instructions"]
     block = k["constants"]["BLOCK_"]
     assert p["bytes"] == 1024 * 600
     assert p["instr_per_byte_loop"] == pytest.approx(k["num_warps"] * per_block / (block * 600), abs=1e-4)

@@ -242,6 +242,48 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
         assert err < 1e-5, (i, err)
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels, head_dim):
+    """The official recovery's walk (:mod:`spark_bench.storage.triton_walk`, a decode step) where its masks are
+    hardest: every kept channel in one mask word (the others empty), in a run crossing a word boundary, T = 1 (lanes
+    with no kept rank), T close to head_dim; rows of four ratios and two lengths in one launch (a masked last block),
+    bfloat16: equal to float64 attention within 1e-5 relative."""
+    g = torch.Generator().manual_seed(11)
+    group, n_words = 4, head_dim // 32
+    stores, values = [], []
+    for i, ratio in enumerate((0.99, 0.9, 0.5, 0.1)):
+        s = 45 + 19 * i
+        keys = torch.randn(1, 2, s, head_dim, generator=g) * 0.1
+        for t in range(s):  # a token's salient channels: one word, or 30 in a row across a word boundary
+            lo, span = (32 * (t // 2 % n_words), 32) if t % 3 == 0 else (16 + 7 * t % (head_dim - 46), 30)
+            if t % 3 < 2:
+                keys[..., t, lo:lo + span] *= 40
+        window = torch.randn(1, 2 * group, 32, head_dim, generator=g)
+        store = SparK(ratio=ratio).compress_keys(keys.bfloat16(), LayerPrefill(keys.bfloat16(), keys.bfloat16(),
+                                                                               window.bfloat16()))
+        stores.append(store)
+        values.append(DenseStore(torch.randn(1, 2, s, head_dim, generator=g).bfloat16()))
+    kept = [s.row_kept for s in stores]
+    assert min(kept) < 4 and max(kept) > head_dim - 16  # (lanes with no kept rank; nearly every channel kept)
+    n, cap, filled = len(stores), 3, 2
+    keys_stack, value_stack = SegmentStack(stores), ValueStack(values, max(s.length for s in stores))
+    tail_k = torch.randn(n, 2, cap, head_dim, generator=g).bfloat16()
+    tail_v = torch.randn(n, 2, cap, head_dim, generator=g).bfloat16()
+    queries = torch.randn(n, 2, group, head_dim, generator=g)
+    tables = FusedTables.build(keys_stack, value_stack, [None] * 2 * n, triton_kernels.launch_shape(group)[1], 32)
+    assert tables.walk is not None and tables.kinds == 1 << 4  # (signed members only: the walk serves them)
+    new_k, new_v = tail_k[:, :, filled - 1:filled].clone(), tail_v[:, :, filled - 1:filled].clone()
+    out = dispatch.fused_attention(tables, keys_stack.aux_scale, tail_k, queries.reshape(2 * n, -1, head_dim), 1.0,
+                                   new_k.reshape(2 * n, 1, head_dim), new_v.reshape(2 * n, 1, head_dim),
+                                   tail_k.clone().reshape(2 * n, cap, head_dim),
+                                   tail_v.clone().reshape(2 * n, cap, head_dim),
+                                   torch.tensor([filled - 1]), 1, advance=1).view(n, 2, -1, head_dim)
+    for i, (store, value) in enumerate(zip(stores, values)):
+        ref = _float64_attention(store, value, queries[i:i + 1], tail_k[i:i + 1], tail_v[i:i + 1], filled, 1)
+        err = ((out[i:i + 1].double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-5, (i, err)
+
+
 # ---- batched decoding with stacks --------------------------------------------------------------------------------
 
 MIX = [MethodConfig(name="full"), MethodConfig(name="snapkv", budget=64),

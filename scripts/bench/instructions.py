@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from spark_bench.storage.gpu_compile import Launch, compile_launch, guarded, load_widths, parse_sass  # noqa: E402
 from spark_bench.storage.segments import ALL_KINDS, KINDS  # noqa: E402  (the kernel's member loops, in its order)
+from spark_bench.storage.triton_walk import SLOTS  # noqa: E402  (the signed walk's kept ranks per slot-loop trip)
 
 
 @dataclass(frozen=True)
@@ -125,13 +126,15 @@ def eviction_key(cfg) -> tuple:
 
 
 
-def member_kind(cfg, arch, dtype: str) -> tuple[str, int]:
+def member_kind(cfg, arch, dtype: str) -> tuple[str, int, int]:
     """Which of the partials kernel's member loops serves ``cfg``'s keys (the order
     :class:`~spark_bench.storage.segments.FusedTables` sorts a work item's heads in): ``dense`` (eviction only, a
     full row), ``structured`` (ThinK's channel subset, in work items before its recent tokens), ``bare`` (pruned
     entries read as 0, no recovery term: SparK's zero/none recoveries, AdaKV rows, ThinK's item holding its recent
     tokens), ``plain`` (a recovery without signs: SparK's paper/constant recoveries), ``signed`` (SparK's official
-    recovery); and the recent tokens a structured store keeps dense (0 otherwise)."""
+    recovery); the recent tokens a structured store keeps dense (0 otherwise); and the trips per block of the
+    signed walk's slot loop (:mod:`spark_bench.storage.triton_walk`: ``⌈⌈T/4⌉ / SLOTS⌉`` for T kept channels; 0
+    otherwise)."""
     from spark_bench.memory import _synthetic_layer
     from spark_bench.methods.pipeline import Pipeline
     from spark_bench.storage.stores import DenseStore, StructuredKeyStore, UnstructuredStore
@@ -140,15 +143,18 @@ def member_kind(cfg, arch, dtype: str) -> tuple[str, int]:
     store = layer.key_store
     if isinstance(store, DenseStore):
         ada = getattr(layer, "valid_bits", None) is not None or cfg.name.startswith("ada")
-        return ("bare" if ada else "dense"), 0
+        return ("bare" if ada else "dense"), 0, 0
     if isinstance(store, UnstructuredStore):
         terms = store.recovery.kernel_terms()
         mode, fill = getattr(terms, "mode", None), getattr(terms, "fill", None)
-        return ("signed" if mode == "signed" else "bare" if mode == "constant" and fill == 0 else "plain"), 0
+        if mode == "signed":
+            per_lane = -(-store.row_kept // 4)  # (kept ranks per lane: four lanes a token)
+            return "signed", 0, -(-per_lane // SLOTS.value)
+        return ("bare" if mode == "constant" and fill == 0 else "plain"), 0, 0
     if isinstance(store, StructuredKeyStore) and not cfg.name.startswith("ada"):
         channel = Pipeline.from_config(cfg).channel  # (ThinK: its last window_size tokens keep every channel)
-        return "structured", channel.window_size if getattr(channel, "keep_window", False) else 0
-    return "bare", 0
+        return "structured", channel.window_size if getattr(channel, "keep_window", False) else 0, 0
+    return "bare", 0, 0
 
 
 def work_items(model, configs, prompt: int, members: int, layer: int = 0) -> list[dict]:
@@ -156,8 +162,9 @@ def work_items(model, configs, prompt: int, members: int, layer: int = 0) -> lis
     :meth:`~spark_bench.storage.segments.FusedTables.layout` makes them: the query heads sharing a value tensor, over
     ``chunk_of(tokens)``-token chunks, each chunk's heads sorted by their kind in it (a structured store's chunks
     holding recent tokens read it as ``bare``) in batches of ``members``; per item (chunks alike merged: ``tokens``
-    over ``programs`` chunks of ``chunk``) its members' kinds and key bytes per token (each config's stores) and
-    the values' bytes per token (read once for the batch)."""
+    over ``programs`` chunks of ``chunk``) its members' kinds, their member loops' inner trips per block (the signed
+    walk's) and key bytes per token (each config's stores) and the values' bytes per token (read once for the
+    batch)."""
     from spark_bench.memory import Arch, store_bytes, stored_tokens
     from spark_bench.storage.segments import FusedTables
 
@@ -173,15 +180,16 @@ def work_items(model, configs, prompt: int, members: int, layer: int = 0) -> lis
         chunk = FusedTables.chunk_of(t)
         for t0 in range(0, t, chunk):
             t1 = min(t0 + chunk, t)
-            kinds = [("bare" if kind == "structured" and t1 > t - recent else kind, b) for kind, recent, b in keys]
+            kinds = [("bare" if kind == "structured" and t1 > t - recent else kind, trips, b)
+                     for kind, recent, trips, b in keys]
             kinds.sort(key=lambda x: KINDS.index(x[0]))
             for i in range(0, len(kinds), members):
                 batch = tuple(kinds[i:i + members])
                 item = merged.setdefault((batch, t1 - t0, value_bytes), {
-                    "members": len(batch), "kinds": [k for k, _ in batch], "tokens": 0, "chunk": t1 - t0,
-                    "programs": 0, "heads": arch.num_kv_heads,
-                    "bytes_per_token": value_bytes + sum(b for _, b in batch),
-                    "key_bytes_per_token": [b for _, b in batch], "value_bytes_per_token": value_bytes})
+                    "members": len(batch), "kinds": [k for k, _, _ in batch], "trips": [n for _, n, _ in batch],
+                    "tokens": 0, "chunk": t1 - t0, "programs": 0, "heads": arch.num_kv_heads,
+                    "bytes_per_token": value_bytes + sum(b for _, _, b in batch),
+                    "key_bytes_per_token": [b for _, _, b in batch], "value_bytes_per_token": value_bytes})
                 item["tokens"] += t1 - t0
                 item["programs"] += arch.num_kv_heads
     return list(merged.values())
@@ -246,14 +254,17 @@ def token_loop(k: dict, masked: bool = False) -> tuple[dict, dict]:
     return token, kinds
 
 
-def block_instructions(loop: dict, loops: dict, member_kinds: list[str]) -> int:
+def block_instructions(loop: dict, loops: dict, member_kinds: list[str], trips: list[int] | None = None) -> int:
     """What one block of the token ``loop`` runs for a work item whose members have ``member_kinds``: the loop's
-    instructions that run every block, each member's loop, and a kind's guarded preamble once if the item has a
-    member of that kind."""
+    instructions that run every block, each member's loop (its own instructions and, ``trips`` times, the loops
+    nested in it: the signed walk's slot loop), and a kind's guarded preamble once if the item has a member of that
+    kind."""
     own = loop.get("common", loop["instructions"])
     present = {kind for kind in member_kinds if loops[kind] is not None}
+    trips = trips or [0] * len(member_kinds)
     return own + sum(loops[kind].get("guard", 0) for kind in present) + sum(
-        loops[kind]["instructions"] for kind in member_kinds if loops[kind] is not None)
+        loops[kind]["instructions"] + n * sum(x["instructions"] for x in loops[kind]["inner"])
+        for kind, n in zip(member_kinds, trips) if loops[kind] is not None)
 
 
 def model_partials(k: dict, items: list[dict], device: Device) -> dict:
@@ -269,8 +280,8 @@ def model_partials(k: dict, items: list[dict], device: Device) -> dict:
         whole = it["heads"] * (full * (it["chunk"] // block) + rest // block)  # blocks of the steady-state loop
         partial = it["heads"] * (full * bool(it["chunk"] % block) + bool(rest % block))  # a chunk's last, masked
         member_kinds = it.get("kinds") or ["signed"] * it["members"]
-        in_loops = (whole * block_instructions(token, kinds, member_kinds)
-                    + partial * block_instructions(last, last_kinds, member_kinds))
+        in_loops = (whole * block_instructions(token, kinds, member_kinds, it.get("trips"))
+                    + partial * block_instructions(last, last_kinds, member_kinds, it.get("trips")))
         loop_instr += warps * in_loops
         instr += warps * (in_loops + it["programs"] * k["outside_loops"])
         byte += it["tokens"] * it["heads"] * it["bytes_per_token"]

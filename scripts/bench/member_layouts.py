@@ -23,7 +23,8 @@ with empty words (all 26 kept in one word, or in 30 consecutive channels).
 
 **Layouts**, key bytes per token and member at D = 128 with T = 26 kept channels:
 
-* today: 52 B kept values (bf16) + 16 B channel mask + 2 B μ + 12.75 B signs (102 pruned channels × 1 bit) ≈ 83 B;
+* today: 52 B kept values (bf16) + 16 B channel mask + 2 B μ + 12.75 B signs (102 pruned channels × 1 bit) ≈ 83 B,
+  read by the real kernel's signed loop (a walk like W's: :mod:`spark_bench.storage.triton_walk`);
 * A: one index byte per kept channel (26 B) + the kept values (52 B), the member loop computing the kept part only —
   the floor of any layout storing the kept part this way; charged B's 96 B, since the signs must be stored somewhere;
 * B: A + 4 sign words (16 B, bit ``c`` set: channel ``c`` pruned and positive) + μ (2 B) = 96 B; the recovery is
@@ -66,8 +67,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from spark_bench.storage.gpu_compile import Launch, _target, _tool, compile_launch, guarded, parse_sass  # noqa: E402
 from spark_bench.storage.segments import KINDS  # noqa: E402
-from spark_bench.storage.triton_math import INTERPRET, _popc  # noqa: E402
-from triton.language.extra.cuda import libdevice  # noqa: E402
+from spark_bench.storage.triton_math import _ffs, _popc  # noqa: E402
+from spark_bench.storage.triton_walk import SLOTS  # noqa: E402
 
 D, T, BLOCK, WARPS = 128, 26, 32, 4
 SIGNED = 1 << KINDS.index("signed")  # the partials kernel's KINDS for official-recovery SparK rows alone
@@ -139,15 +140,6 @@ def _member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D: tl.con
     smu = _sqrt_rn(tl.maximum(tl.load(mu_b + tt).to(tl.float32), 0.0))
     acc = acc + smu[:, :, :, None] * rec
     return tl.reshape(tl.sum(acc, axis=1), (32, 4))
-
-
-@triton.jit
-def _ffs(x):
-    """1 + the lowest set bit of uint32 ``x`` (0 for 0), int32: libdevice's ``ffs``, interpreted by popc."""
-    if INTERPRET:
-        return tl.where(x != 0, _popc((x & (~x + 1)) - 1) + 1, 0)
-    else:
-        return libdevice.ffs(x.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -361,16 +353,19 @@ def check(layouts=tuple(LAYOUTS), n_tok: int = CHECK["n_tok"], count: int = CHEC
     return result
 
 
-def token_and_member(sass: str):
+def token_and_member(sass: str, trips: int = 0):
     """(token loop's instructions a block of the last member loop's kind runs, that member loop's) — the token loop
     being the first top-level loop holding inner loops: its own instructions less the guarded preambles of the member
     loops that do not run (:func:`~spark_bench.storage.gpu_compile.guarded`, as ``scripts/bench/instructions.py``
-    counts them)."""
+    counts them); the member loop's own instructions and, ``trips`` times, the loops nested in it (the real kernel's
+    signed walk: its slot loop)."""
     labels: dict = {}
     instructions, loops = parse_sass(sass, labels)
     token = next(loop for loop in loops if loop.inner)
     skipped = sum(len(guarded(instructions, labels, token, x)) for x in token.inner[:-1])
-    return len(token.own(instructions)) - skipped, len(token.inner[-1].own(instructions))
+    member = token.inner[-1]
+    nested = sum(len(x.own(instructions)) for x in member.inner)
+    return len(token.own(instructions)) - skipped, len(member.own(instructions)) + trips * nested
 
 
 def measure(layout: str, arch: int = 90) -> dict:
@@ -413,7 +408,7 @@ def instr_per_byte(token: int, member: int, key_bytes: float, members: int, warp
 
 def main(out: str = "results/bench/member_layouts.json") -> None:
     real = compile_launch(Launch("partials", 128, 4, kinds=SIGNED), 90, sass=True)
-    token, signed = token_and_member(real.sass)
+    token, signed = token_and_member(real.sass, -(-(-(-T // 4)) // SLOTS.value))  # (T kept: ⌈T/4⌉ ranks a lane)
     warps, block = real.num_warps, real.constants["BLOCK_"]
     rows = {"today": dict(registers=real.registers, spill_bytes=real.spill_bytes, member_instructions=signed)}
     rows.update({layout: {k: v for k, v in measure(layout).items() if k != "token_loop_instructions"}

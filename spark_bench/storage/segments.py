@@ -41,6 +41,8 @@ WORK_COLS = 10  # list_start, count, t_start, t_end, val_addr, chunk, then the e
 # a launch's tables hold a set of kinds, a bit each (FusedTables.kinds, the kernel's KINDS)
 KINDS = ("dense", "structured", "bare", "plain", "signed")
 ALL_KINDS = (1 << len(KINDS)) - 1
+ROWS = 16  # query rows per program of the fused kernel (members × rows per member)
+WALK_TABLE_BYTES = 2368  # the signed walk's constant table (walk_table)
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,32 @@ def _address(part: torch.Tensor, offset: int) -> int:
     return part.data_ptr() + offset * part.element_size()
 
 
+def walk_table() -> bytes:
+    """The walk's constant table: 256 × 8 (byte, j) → the bit of the byte's j-th set bit; 16 × 4 (which of words 1-3
+    are nonzero, word k) → 8 × the next nonzero word after k (24 if none: word 3); 16 × 16 (pruned channels of a
+    nibble, the next four sign bits in pruned order) → the nibble's positive channels."""
+    out = bytearray(WALK_TABLE_BYTES)
+    for v in range(256):
+        for j, b in enumerate(b for b in range(8) if v >> b & 1):
+            out[8 * v + j] = b
+    for z in range(16):
+        for k in range(4):
+            out[2048 + 4 * z + k] = 8 * next((j for j in range(k + 1, 4) if z >> j & 1), 3)
+    for pm in range(16):
+        on = [i for i in range(4) if pm >> i & 1]
+        for ch in range(16):
+            out[2112 + 16 * pm + ch] = sum(1 << i for j, i in enumerate(on) if ch >> j & 1)
+    return bytes(out)
+
+
+def head_floats(head_dim: int, rpm: int) -> int:
+    """Floats of one query head's per-step tables for the signed walk: ``q`` and ``qa`` by channel (``head_dim + 1``
+    rows, the last 0), the nibble sums (the padded head_dim's nibbles × 16 subsets, 0 past ``head_dim``), ``Σ_c qa``
+    — ``rpm`` rows each."""
+    padded = max(32, 1 << (head_dim - 1).bit_length())
+    return (head_dim + 1) * 2 * rpm + padded // 4 * 16 * rpm + rpm
+
+
 @dataclass(frozen=True)
 class FusedTables:
     """The fused decode kernel's view of a stacked batch (:mod:`.triton_decode`): 64-bit addresses into the rows' own
@@ -268,6 +296,11 @@ class FusedTables:
     width: int = 0  # the kernel's TK: the structured (ThinK) segments' kept channels, padded (0: none)
     pairs: bool = False  # every structured segment keeps an even number of channels from a 4-byte aligned start
     kinds: int = ALL_KINDS  # the member kinds its work items hold (bit k: KINDS[k]): the kernel's loops
+    # the signed walk (storage/triton_walk.py: official-recovery keys at a decode step, head_dim a multiple of 32 up
+    # to 128, masks 4-byte aligned): its constant table (a slice of ``packed``) and the per-step tables of each
+    # query head (float32, written by the kernel); None where the walk does not apply
+    walk_tab: torch.Tensor | None = None
+    walk: torch.Tensor | None = None
 
     @staticmethod
     def chunk_of(n: int, block: int = 16) -> int:
@@ -289,9 +322,15 @@ class FusedTables:
     @classmethod
     def view(cls, packed: torch.Tensor, layout: tuple) -> "FusedTables":
         """The tables over ``packed`` (the device copy of :meth:`layout`'s list, or a slice of a larger upload)."""
-        a, b, c, slots, n_work, members, aligned, width, pairs, kinds = layout
-        return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], packed[a + b + c:], slots, n_work,
-                   members, aligned, width, pairs, kinds)
+        a, b, c, slots, n_work, members, aligned, width, pairs, kinds, (walk_at, heads, head_dim) = layout
+        lists = packed[a + b + c:walk_at if walk_at >= 0 else None]
+        walk_tab = walk = None
+        if walk_at >= 0:
+            walk_tab = packed[walk_at:walk_at + WALK_TABLE_BYTES // 8]
+            walk = torch.empty(heads * head_floats(head_dim, ROWS // members), dtype=torch.float32,
+                               device=packed.device)
+        return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], lists, slots, n_work,
+                   members, aligned, width, pairs, kinds, walk_tab, walk)
 
     @classmethod
     def layout(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
@@ -375,13 +414,20 @@ class FusedTables:
                               -(-tokens[qh] // chunks[qh]), tokens[qh]])
         flat = [x for r in seg_rows for x in r] + [x for r in head_rows for x in r] + [x for r in work for x in r]
         flat += lists
+        # the signed walk (storage/triton_walk.py) where its keys allow: masks of whole 32-bit words, 4-byte aligned
+        d = keys.head_dim
+        walk_at = -1
+        if present & 1 << KINDS.index("signed") and d % 32 == 0 and d <= 128 and all(
+                r[3] % 4 == 0 for r in seg_rows if r[8] == MODES["signed"]):
+            walk_at = len(flat)
+            flat += list(struct.unpack(f"<{WALK_TABLE_BYTES // 8}q", walk_table()))
         rows = (keys.head_dim * keys.dtype.itemsize) % 16 == 0
         aligned = rows and all(r[4] % 16 == 0 for r in work) and all(r[2] % 16 == 0 for r in seg_rows if r[8] == 3)
         # the structured loop's width (TK), 0 when no work item has structured keys (the kernel then has no such loop)
         width = max(32, 1 << (widest - 1).bit_length()) if widest and present & 2 else 0
         pairs = all(r[1] % 2 == 0 and r[2] % 4 == 0 for r in seg_rows if r[10])  # (structured segments)
         return flat, (SEG_COLS * len(seg_rows), HEAD_COLS * n_heads, WORK_COLS * len(work), slots, len(work), members,
-                      aligned, width, pairs, present)
+                      aligned, width, pairs, present, (walk_at, n_heads, d))
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed)

@@ -1,5 +1,6 @@
 """The fused decode's generic member loop (:mod:`.triton_decode`), in Triton: one query head's logits over a block
-of compact keys — SparK's kept entries, masks, μ and sign bits (every recovery the kernel serves), AdaKV's dense rows
+of compact keys — SparK's kept entries, masks, μ and sign bits (every recovery the kernel serves; the official one at
+a decode step is walked instead, :mod:`.triton_walk`), AdaKV's dense rows
 with validity bits, ThinK's keys in the work item holding its recent dense tokens — rebuilt per block as a key tile
 (kept entries at their channels) and a recovery tile (the pruned entries' signs), scored on the tensor cores with
 float32 products (:func:`~.triton_math._dot3`)."""

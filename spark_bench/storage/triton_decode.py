@@ -32,7 +32,9 @@ like the values); structured keys (ThinK's channel subset, in work items before 
 ``T`` kept entries against the queries gathered at those channels once per program, a ``TK``-deep dot, no mask read);
 keys whose pruned entries read as 0 (SparK's zero/none recoveries, AdaKV rows, ThinK's item holding its recent
 tokens: no recovery term); compact keys with a recovery without signs (SparK's paper/constant recoveries); with signs
-(SparK's official recovery); a launch compiles only the loops of the kinds its tables hold (``KINDS``,
+(SparK's official recovery: at a decode step, ≤ ``RPM`` query rows per head, read by walks over each token's kept
+entries where they are stored, :mod:`.triton_walk`, no key tile; a longer suffix through the cache rebuilds the tile);
+a launch compiles only the loops of the kinds its tables hold (``KINDS``,
 :attr:`FusedTables.kinds <spark_bench.storage.segments.FusedTables>`: a batch without compact keys runs a kernel with
 neither their registers nor their preambles). Whole blocks run unmasked, addressed by 32-bit offsets from the block's first row; a
 chunk's last, partial block runs masked in a second loop. Softmax weights are ``2^(s·log₂e − m·log₂e)``
@@ -55,17 +57,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, SEG_COLS, WORK_COLS
+from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, ROWS, SEG_COLS, WORK_COLS
 from spark_bench.storage.triton_compact import _member_scores
 from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _split3
 from spark_bench.storage.triton_merge import _merge_kernel
+from spark_bench.storage.triton_walk import _walk_scores, _walk_tables
 
 # the tables' row widths (storage/segments.py builds them, its *_COLS say what each column holds)
 SEG: tl.constexpr = tl.constexpr(SEG_COLS)
 HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)
 WORK: tl.constexpr = tl.constexpr(WORK_COLS)
 BLOCK = {2: 32, 4: 16}  # tokens per step of the token loop by element size
-ROWS = 16       # query rows per program (the dot products' M)
 # warps of the partials kernel by element size: bfloat16 (tensor-core dots) 4 warps at BLOCK 32 (≤ 248 registers
 # at D ≤ 128, 2 CTAs per SM, no spill; BLOCK 64 at 4 warps spills, at 8 warps issues ~7% more per byte); float32 (FMA
 # dots) 8 warps at BLOCK 16 (≤ 254 registers, no spill)
@@ -100,9 +102,10 @@ def _into(s, sm, member, m, live, MASKED: tl.constexpr):
 
 @triton.jit
 def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, head_ptr, seg_ptr, aux_ptr, c,
-          n_dense, n_struct, n_bare, n_plain, count, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
-          D_PAD: tl.constexpr, ROWS_: tl.constexpr, BLOCK_: tl.constexpr, VALIGN: tl.constexpr, TK: tl.constexpr,
-          PAIRS: tl.constexpr, MASKED: tl.constexpr, KINDS: tl.constexpr):
+          n_dense, n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM: tl.constexpr, ESIZE: tl.constexpr,
+          D: tl.constexpr, D_PAD: tl.constexpr, ROWS_: tl.constexpr, BLOCK_: tl.constexpr, VALIGN: tl.constexpr,
+          TK: tl.constexpr, PAIRS: tl.constexpr, MASKED: tl.constexpr, KINDS: tl.constexpr, RPM: tl.constexpr,
+          WALK: tl.constexpr):
     """One block of ``BLOCK_`` tokens from ``t0``: the values, every member's logits (one loop per kind, in the
     order :class:`~spark_bench.storage.segments.FusedTables` sorts them; a kind's loop only where ``KINDS`` has its
     bit), the online softmax. Without ``MASKED`` (a whole block) nothing is masked and the values and dense keys are
@@ -166,25 +169,31 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
                                D_PAD, BLOCK_, False)
     if KINDS & 16:
         for m in range(n_plain, count):  # compact keys with signs (official recovery)
-            s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
-                               D_PAD, BLOCK_, True)
+            if WALK:  # (a decode step: each token's kept entries walked where they are stored)
+                s = _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, t_end, D, D_PAD,
+                                 BLOCK_, RPM, ROWS_, ELEM)
+            else:
+                s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE,
+                                   D, D_PAD, BLOCK_, True)
     return _online(m_i, l_i, acc, s, v)
 
 
 @triton.jit(do_not_specialize=["n_work", "advance"],
             do_not_specialize_on_alignment=["seg_ptr", "head_ptr", "work_ptr", "list_ptr"])
 def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_ptr, ml_ptr, elem_ptr, len_ptr,
-                     n_rows, q_stride, scale, n_work, advance, D: tl.constexpr, D_PAD: tl.constexpr,
+                     walk_ptr, tab_ptr, n_rows, q_stride, scale, n_work, advance, D: tl.constexpr, D_PAD: tl.constexpr,
                      RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr,
                      VALIGN: tl.constexpr = False, TK: tl.constexpr = 0, PAIRS: tl.constexpr = False,
-                     KINDS: tl.constexpr = ALL_KINDS):
+                     KINDS: tl.constexpr = ALL_KINDS, WALK: tl.constexpr = False):
     """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor.
     ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads); ``PAIRS``: every
     structured segment keeps an even number of channels from a 4-byte aligned start (its entries read in pairs);
     ``KINDS``: the member kinds the tables' work items hold (bit k: :data:`~spark_bench.storage.segments.KINDS`
     ``[k]``, the structured one also ``TK > 0``): the loops of the
     others are not compiled in (a launch without compact keys runs a kernel of ~190 registers whose token loop
-    issues ~70 fewer instructions per block, ``results/bench/instructions.json``).
+    issues ~70 fewer instructions per block, ``results/bench/instructions.json``); ``WALK``: the signed members are
+    read by walks (:mod:`.triton_walk`; a decode step, ``n_rows ≤ RPM``), their per-step tables written at
+    ``walk_ptr`` in the prologue, the constant table at ``tab_ptr``.
     Program (0, 0) also advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
     w = tl.program_id(0).to(tl.int64)
     gb = tl.program_id(1).to(tl.int64)
@@ -192,7 +201,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     real = w < n_work  # a launch with no work item still runs program (0, 0) for the length
     item = work_ptr + w * WORK
     list_start = tl.load(item + 0, mask=real, other=0)
-    count = tl.load(item + 1, mask=real, other=0)
+    count = tl.load(item + 1, mask=real, other=0).to(tl.int32)  # (members and their loops' indices: 32-bit)
     t_start = tl.load(item + 2, mask=real, other=0)
     t_end = tl.load(item + 3, mask=real, other=0)
     val_addr = tl.load(item + 4, mask=real, other=0)
@@ -207,7 +216,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     n_plain = tl.load(item + 9, mask=real, other=0).to(tl.int32)
     ELEM: tl.constexpr = elem_ptr.dtype.element_ty
     r = tl.arange(0, RPM * MEMBERS)
-    member = (r // RPM).to(tl.int64)
+    member = r // RPM
     g = gb * RPM + (r % RPM)
     row_ok = (member < count) & (g < n_rows)
     qh_r = tl.load(list_ptr + list_start + member, mask=member < count, other=0)
@@ -222,6 +231,10 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
         qs = (q1, q2, q3, qa1, qa2, qa3)
     else:
         qs = (q, q, q, q, q, q)
+    if WALK:  # the signed members' per-step tables (q, q ∘ a by channel; q ∘ a's nibble sums), then a barrier
+        aux_w = tl.load(aux_ptr + qh_r[:, None] * D + c[None, :], mask=row_ok[:, None] & cm[None, :], other=0.0)
+        _walk_tables(walk_ptr, q, q * aux_w, qh_r, row_ok & (member >= n_plain) & (member < count), r, c, D, D_PAD,
+                     RPM)
     if TK > 0:  # the structured members' queries at their kept channels (zero past them and in other rows)
         j = tl.arange(0, TK)
         own = row_ok & (member >= n_dense) & (member < n_struct)
@@ -254,12 +267,14 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     full_end = t_start + (t_end - t_start) // BLOCK_ * BLOCK_
     for t0 in range(t_start, full_end, BLOCK_):
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, list_ptr + list_start,
-                              head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, ELEM, ESIZE,
-                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, False, KINDS)
+                              head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, walk_ptr,
+                              tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, False, KINDS,
+                              RPM, WALK)
     for t0 in range(full_end, t_end, BLOCK_):
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, list_ptr + list_start,
-                              head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, ELEM, ESIZE,
-                              D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, True, KINDS)
+                              head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, walk_ptr,
+                              tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, True, KINDS,
+                              RPM, WALK)
     slot = tl.load(head_ptr + qh_r * HEAD + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
@@ -287,13 +302,16 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
     if acc is None:
         acc = torch.empty(tables.n_slots, n, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(tables.n_slots, n, 2, dtype=torch.float32, device=q.device)
+    # the signed walk at a decode step (one block of query rows per head: its per-step tables, one per head)
+    walk = getattr(tables, "walk", None) is not None and n <= rpm
     partials = (_partials_kernel, (max(tables.n_work, 1), triton.cdiv(n, rpm)),
-                (q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, tail_len, n,
-                 q.stride(0), scale, tables.n_work, advance),
+                (q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, tail_len,
+                 tables.walk if walk else acc, tables.walk_tab if walk else tables.seg, n, q.stride(0), scale,
+                 tables.n_work, advance),
                 dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK[elem.element_size()],
                      ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
                      TK=getattr(tables, "width", 0), PAIRS=bool(getattr(tables, "pairs", False)),
-                     KINDS=getattr(tables, "kinds", ALL_KINDS),
+                     KINDS=getattr(tables, "kinds", ALL_KINDS), WALK=walk,
                      num_warps=PARTIAL_WARPS[elem.element_size()], num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
     # a decode step's few rows: no padding to 16, except for bfloat16 tails (tensor-core dots need 16 rows)
     rm = ROWS if tail_keys.dtype == torch.bfloat16 else min(triton.next_power_of_2(n), ROWS)

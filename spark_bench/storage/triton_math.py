@@ -69,6 +69,16 @@ def _popc(x):
 
 
 @triton.jit
+def _ffs(x):
+    """1 + the lowest set bit of uint32 ``x`` (0 for 0), int32: libdevice's ``ffs`` (``FLO`` of ``x & −x``); under
+    the CPU interpreter by :func:`_popc`."""
+    if INTERPRET:
+        return tl.where(x != 0, _popc((x & (~x + 1)) - 1) + 1, 0)
+    else:
+        return libdevice.ffs(x.to(tl.int32, bitcast=True))
+
+
+@triton.jit
 def _split3(a):
     """float32 ``a`` as three bfloat16 terms ``a₁ + a₂ + a₃ = a`` (to float32's 24 bits): each product of one with
     a bfloat16 is exact in float32, so three tensor-core dots accumulated in float32 give float32 products."""

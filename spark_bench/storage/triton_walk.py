@@ -1,0 +1,179 @@
+"""The fused decode's member loop for SparK's official recovery at a decode step (:mod:`.triton_decode`), by walks:
+each token's kept entries are visited where they are stored, never placed in a key tile.
+
+Per member (a query head's ``RPM`` rows) and token ``t`` the logit is (``segments.MODES`` 2, the C++ kernel's formula)
+
+    s_r = Σ_{c kept} q_r[c] · k_tc  +  √μ_t · Σ_{c pruned} sign_tc · qa_r[c]        (qa = q ∘ a)
+        = Σ_{c kept} (q_r[c] · k_tc + √μ_t · qa_r[c])  +  √μ_t · (2 Σ_{c pruned, sign +} qa_r[c] − Σ_c qa_r[c])
+
+A block of 32 tokens runs on 128 lanes, four per token: lane ``W`` of token ``t`` walks its kept ranks
+``W·⌈T/4⌉ …`` (the channel of its first rank found once — its mask word by the words' popcounts, its byte by SWAR
+prefix sums, its bit by a (byte, j) → bit table — then each next kept channel by ``ffs`` and, past the word's last,
+a jump to the next nonzero word by a table) and recovers mask word ``W``'s pruned channels: their signs, stored in
+pruned order, are read as one 32-bit window of the sign bits, and per nibble a 256-byte table turns (pruned nibble,
+its next signs) into the nibble of its positive channels, which indexes a per-step table of ``qa`` sums over each
+nibble's subsets. Products and sums are float32 FMAs/adds; the four lanes' partial logits are summed at the end.
+
+The per-step tables (per query head: ``q`` and ``qa`` by channel, a zero row for padding slots; the nibble sums;
+``Σ_c qa``) are written by each program that serves the head, in its prologue (:func:`_walk_tables`), into
+``FusedTables.walk``: every program serving a head writes the same values, so it reads what it wrote after its own
+barrier whichever program wrote last. The constant tables (:func:`~spark_bench.storage.segments.walk_table`, 2,368 bytes) travel with the
+other tables (``FusedTables.walk_tab``). Measured standalone against the dense-tile loop (``scripts/bench/member_layouts.py``,
+layout W): 465 instead of 952 SASS instructions per warp per 32-token block on sm_90.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from spark_bench.storage.segments import HEAD_COLS, SEG_COLS
+from spark_bench.storage.triton_math import _ffs, _popc, _sqrt_rn
+
+SEG: tl.constexpr = tl.constexpr(SEG_COLS)  # (the tables' row widths)
+HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)
+SLOTS: tl.constexpr = tl.constexpr(4)    # kept ranks a lane visits per trip of its loop
+NEXT: tl.constexpr = tl.constexpr(2048)    # offsets in the constant table (segments.walk_table): (byte, j) → bit
+EXPAND: tl.constexpr = tl.constexpr(2112)  # of its j-th set bit at 0, (nonzero words, k) → 8 × the next nonzero
+#                                            word, (pruned nibble, signs) → the positive channels' nibble
+
+
+@triton.jit
+def _walk_tables(walk_ptr, q, qa, qh_r, own, r, c, D: tl.constexpr, D_PAD: tl.constexpr, RPM: tl.constexpr):
+    """A program's prologue: the per-step tables of its query heads whose rows ``own`` (signed members) from their
+    scaled queries ``q`` and ``qa = q ∘ a`` ``(rows, D_PAD)``, then a barrier."""
+    HS: tl.constexpr = (D + 1) * 2 * RPM + D_PAD // 4 * 16 * RPM + RPM
+    rr = r % RPM
+    hb = walk_ptr + qh_r * HS
+    at = hb[:, None] + c[None, :] * (2 * RPM) + rr[:, None]
+    ok = own[:, None] & (c < D)[None, :]
+    tl.store(at, q, mask=ok)
+    tl.store(at + RPM, qa, mask=ok)
+    tl.store(hb + D * (2 * RPM) + rr, tl.zeros_like(rr).to(tl.float32), mask=own)  # the padding slots' row
+    tl.store(hb + D * (2 * RPM) + RPM + rr, tl.zeros_like(rr).to(tl.float32), mask=own)
+    # nibble sums: entry e of nibble G = Σ_{i: bit i of e} qa[4G + i]
+    lo, hi = tl.split(tl.reshape(qa, (q.shape[0], D_PAD // 4, 2, 2)))  # channels 4G + (0, 2) and 4G + (1, 3)
+    c0, c2 = tl.split(lo)
+    c1, c3 = tl.split(hi)
+    grp = tl.arange(0, D_PAD // 4)[None, :]
+    at = hb[:, None] + (D + 1) * 2 * RPM + grp * (16 * RPM) + rr[:, None]
+    ok = own[:, None] & (grp >= 0)  # (every nibble: 0 past D)
+    for e in tl.static_range(16):  # (an entry at a time: a few registers)
+        lut = tl.zeros_like(c0)
+        if e & 1:
+            lut += c0
+        if e & 2:
+            lut += c1
+        if e & 4:
+            lut += c2
+        if e & 8:
+            lut += c3
+        tl.store(at + e * RPM, lut, mask=ok)
+    tl.store(hb + (D + 1) * 2 * RPM + D_PAD // 4 * 16 * RPM + rr, tl.sum(qa, axis=1), mask=own)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, t_end, D: tl.constexpr,
+                 D_PAD: tl.constexpr, BLOCK_: tl.constexpr, RPM: tl.constexpr, ROWS_: tl.constexpr,
+                 ELEM: tl.constexpr):
+    """Member ``m``'s logits over the ``BLOCK_`` tokens from ``t0`` (those before ``t_end``; AdaKV validity applied)
+    into its rows of ``s``."""
+    HS: tl.constexpr = (D + 1) * 2 * RPM + D_PAD // 4 * 16 * RPM + RPM
+    NW: tl.constexpr = D // 32
+    qh = tl.load(heads + m)
+    hrow = head_ptr + qh * HEAD
+    row = seg_ptr + tl.load(hrow) * SEG
+    t_kept = tl.load(row + 1).to(tl.int32)
+    sign_addr = tl.load(row + 6)
+    q_b = walk_ptr + qh * HS
+    lut_b = q_b + (D + 1) * 2 * RPM
+    tab = tab_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    TW = tl.arange(0, BLOCK_ // 8)[:, None, None]
+    W = tl.arange(0, 4)[None, :, None]
+    TL = tl.arange(0, 8)[None, None, :]
+    r = tl.arange(0, RPM)[None, None, None, :]
+    t = t0 + (TW * 8 + TL + W * 0)  # (every lane of a token holds its words: one layout, each word loaded once)
+    live = t < t_end
+    local = (t - tl.load(row)).to(tl.int32)  # (offsets in a segment: 32-bit)
+    words = tl.load(row + 3).to(tl.pointer_type(tl.uint32), bitcast=True) + local * (
+        tl.load(row + 4).to(tl.int32) * NW)
+    x0 = tl.load(words, mask=live, other=0)
+    x1, x2, x3 = tl.zeros_like(x0), tl.zeros_like(x0), tl.zeros_like(x0)  # (words past the head_dim: 0)
+    if NW > 1:
+        x1 = tl.load(words + 1, mask=live, other=0)
+    if NW > 2:
+        x2 = tl.load(words + 2, mask=live, other=0)
+    if NW > 3:
+        x3 = tl.load(words + 3, mask=live, other=0)
+    c1 = _popc(x0).to(tl.uint32)  # kept channels before words 1, 2, 3
+    c2 = c1 + _popc(x1).to(tl.uint32)
+    c3 = c2 + _popc(x2).to(tl.uint32)
+    spt = (t_kept + 3) // 4  # kept ranks per lane
+    # lane W's first kept rank, W·spt: its word, then its byte (SWAR prefix sums of the byte counts), then its bit
+    p0 = (W * spt).to(tl.uint32)
+    g1, g2, g3 = p0 >= c1, p0 >= c2, p0 >= c3
+    xw = tl.where(g3, x3, tl.where(g2, x2, tl.where(g1, x1, x0)))
+    rr = p0 - tl.where(g3, c3, tl.where(g2, c2, tl.where(g1, c1, 0)))
+    s8 = tl.where(g3, 24, tl.where(g2, 16, tl.where(g1, 8, 0))).to(tl.uint32)  # 8 × its word
+    bc = xw - ((xw >> 1) & 0x55555555)
+    bc = (bc & 0x33333333) + ((bc >> 2) & 0x33333333)
+    bc = (bc + (bc >> 4)) & 0x0F0F0F0F  # set bits per byte
+    pb = bc * 0x01010101  # their inclusive prefix sums
+    shb = _popc(((rr * 0x01010101 + 0x80808080) - pb) & 0x80808080).to(tl.uint32) * 8
+    eb = ((pb - bc) >> shb) & 0xFF
+    c0 = shb + tl.load(tab + ((xw >> shb) & 0xFF) * 8 + ((rr - eb) & 7)).to(tl.uint32)
+    rem = xw & (0xFFFFFFFF << (c0 & 31))  # the word's kept channels from that rank on
+    nzw = (tl.where(x1 != 0, 2, 0) | tl.where(x2 != 0, 4, 0) | tl.where(x3 != 0, 8, 0)).to(tl.uint32)
+    nxt = tl.load((tab + NEXT + nzw * 4).to(tl.pointer_type(tl.uint32), bitcast=True))  # byte k: 8 × next word
+    kept = tl.load(row + 2).to(tl.pointer_type(ELEM), bitcast=True) + local * t_kept
+    acc = tl.zeros((BLOCK_ // 8, 4, 8, RPM), tl.float32)
+    kqa = tl.zeros((BLOCK_ // 8, 4, 8, RPM), tl.float32)
+    lim = tl.where(live, tl.minimum(spt, t_kept - W * spt), 0)  # the lane's kept ranks (its slots past them: none)
+    for j in range(0, (spt + SLOTS - 1) // SLOTS):  # SLOTS kept ranks a trip (the last trip's extra ones masked)
+        for u in tl.static_range(SLOTS):
+            i = j * SLOTS + u
+            p = W * spt + i
+            ok = i < lim
+            idx = tl.where(ok, s8 * 4 + _ffs(rem).to(tl.uint32) - 1, D)  # (a padding slot: the zero row)
+            k = tl.load(kept + p, mask=ok, other=0.0).to(tl.float32)
+            rem = rem & (rem - 1)  # the next kept channel: this word's next, or the next nonzero word's first
+            n8 = (nxt >> s8) & 0xFF
+            empty = rem == 0
+            rem = tl.where(empty, tl.where(n8 == 8, x1, tl.where(n8 == 16, x2, x3)), rem)
+            s8 = tl.where(empty, n8, s8)
+            at = q_b + (idx * (2 * RPM))[:, :, :, None] + r
+            acc += k[:, :, :, None] * tl.load(at)
+            kqa += tl.load(at + RPM)
+    # mask word W's pruned channels: their signs from bit `start` of the sign bits (pruned order)
+    notm = tl.where(W < NW, ~tl.where(W == 0, x0, tl.where(W == 1, x1, tl.where(W == 2, x2, x3))), 0)
+    before = tl.where(W == 0, 0, tl.where(W == 1, c1, tl.where(W == 2, c2, c3))).to(tl.int64)
+    n = _popc(notm)  # (its pruned channels)
+    bits = tl.load(row + 7) + (sign_addr & 3) * 8  # (from the 4-byte aligned word below the array's start)
+    start = bits + local.to(tl.int64) * (D - t_kept) + 32 * W - before
+    signs = (sign_addr - (sign_addr & 3)).to(tl.pointer_type(tl.uint32), bitcast=True) + (start >> 5)
+    shift = start & 31
+    mine = live & (W < NW) & (n > 0)
+    lo = tl.load(signs, mask=mine, other=0)
+    hi = tl.load(signs + 1, mask=mine & (shift + n > 32), other=0)
+    window = ((lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)) >> shift.to(tl.uint64)).to(tl.uint32)
+    rec = tl.zeros((BLOCK_ // 8, 4, 8, RPM), tl.float32)
+    lut_w = lut_b + tl.where(W < NW, W, 0) * (8 * 16 * RPM)  # (word W's nibbles: groups 8W …; past D: none)
+    expand = tab + EXPAND
+    for g in tl.static_range(8):  # nibble g: (pruned channels, their next 4 signs) → the positive channels
+        pm = (notm >> (4 * g)) & 0xF
+        ex = tl.load(expand + (pm * 16 + (window & 0xF))).to(tl.int32)
+        rec += tl.load((lut_w + ex * RPM)[:, :, :, None] + (g * 16 * RPM + r))  # (no pruned channel: entry 0, 0)
+        window = window >> _popc(pm).to(tl.uint32)
+    mu = tl.load(tl.load(row + 5).to(tl.pointer_type(ELEM), bitcast=True) + local, mask=live, other=0.0)
+    smu = _sqrt_rn(tl.maximum(mu.to(tl.float32), 0.0))
+    qat = tl.load(q_b + (D + 1) * 2 * RPM + D_PAD // 4 * 16 * RPM + r)  # Σ_c qa, taken once (by lane 0)
+    acc += smu[:, :, :, None] * (kqa + 2.0 * rec - tl.where(W[:, :, :, None] == 0, qat, 0.0))
+    sm = tl.trans(tl.reshape(tl.sum(acc, axis=1), (BLOCK_, RPM)))
+    sm = tl.reshape(tl.broadcast_to(sm[None, :, :], (ROWS_ // RPM, RPM, BLOCK_)), (ROWS_, BLOCK_))
+    t1 = t0 + tl.arange(0, BLOCK_)
+    valid_addr = tl.load(hrow + 3)
+    vbyte = tl.load((valid_addr + (t1 >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True),
+                    mask=(t1 < t_end) & ((t1 * 0 + valid_addr) != 0), other=255).to(tl.int32)
+    visible = (t1 < t_end) & (((vbyte >> (t1 & 7).to(tl.int32)) & 1) != 0)
+    return tl.where((member == m)[:, None] & visible[None, :], sm, s)
