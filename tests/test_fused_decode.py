@@ -126,32 +126,51 @@ def test_programs_per_layer_are_the_work_not_segments_times_the_longest(triton_o
 class _LoadCounter:
     """Counts, during the kernels' run under the interpreter, the distinct bytes each program reads (lanes of one
     load reading the same address are one memory access, as a GPU coalesces them; a program reading an address it
-    has read before — its table rows and scales, again for each block of tokens — hits its L1, not memory)."""
+    has read before — its table rows and scales, again for each block of tokens — or written itself — the signed
+    walk's per-step tables — hits its cache, not memory)."""
 
     def __init__(self):
         self.bytes = 0
         self.seen: dict = {}
+        self.written: dict = {}
 
     @contextlib.contextmanager
     def counting(self):
         from triton.runtime import interpreter
 
         original = interpreter.InterpreterBuilder.create_masked_load
+        original_store = interpreter.InterpreterBuilder.create_masked_store
+
+        def stored(builder, ptrs, value, mask, *args):  # (this launch's program wrote it: read from its cache)
+            addresses = np.broadcast_to(ptrs.data, mask.data.shape)[mask.data]
+            self.written.setdefault(builder.grid_idx, set()).update(addresses.tolist())
+            return original_store(builder, ptrs, value, mask, *args)
+
+        launch = interpreter.GridExecutor.__call__
+
+        def launched(executor, *args, **kwargs):  # (a program of the next launch has written nothing yet)
+            self.written = {}
+            return launch(executor, *args, **kwargs)
 
         def counted(builder, ptrs, mask, other, *args):
             out = original(builder, ptrs, mask, other, *args)
             addresses = np.unique(np.broadcast_to(ptrs.data, mask.data.shape)[mask.data])
             seen = self.seen.setdefault(builder.grid_idx, set())
-            fresh = [a for a in addresses.tolist() if a not in seen]
+            own = self.written.get(builder.grid_idx, ())
+            fresh = [a for a in addresses.tolist() if a not in seen and a not in own]
             seen.update(fresh)
             self.bytes += len(fresh) * out.data.dtype.itemsize
             return out
 
         interpreter.InterpreterBuilder.create_masked_load = counted
+        interpreter.InterpreterBuilder.create_masked_store = stored
+        interpreter.GridExecutor.__call__ = launched
         try:
             yield self
         finally:
             interpreter.InterpreterBuilder.create_masked_load = original
+            interpreter.InterpreterBuilder.create_masked_store = original_store
+            interpreter.GridExecutor.__call__ = launch
 
 
 def test_the_kernel_loads_about_what_is_stored(triton_on_cpu):
@@ -340,13 +359,15 @@ def test_the_cuda_path_holds_what_the_planner_says(triton_on_cpu, monkeypatch, t
     from spark_bench.storage import triton_decode
 
     launched = []
+    rows_arg = triton_decode._partials_kernel.arg_names.index("n_rows")  # (a launch's query rows per head)
 
     class Skipped:  # a kernel allocates nothing (it writes buffers made before it): its launch is recorded, not run
         def __init__(self, name):  # (the interpreter's own argument copies are not the CUDA path's bytes, and
             self.name = name       # the kernels' arithmetic is tested elsewhere)
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append((self.name, args[10] if self.name == "partials" else 0))
+            return lambda *args, **kwargs: launched.append((self.name, args[rows_arg] if self.name == "partials"
+                                                            else 0))
 
     monkeypatch.setattr(triton_decode, "_partials_kernel", Skipped("partials"))
     monkeypatch.setattr(triton_decode, "_merge_kernel", Skipped("merge"))

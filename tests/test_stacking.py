@@ -271,7 +271,7 @@ def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels, head_
     tail_v = torch.randn(n, 2, cap, head_dim, generator=g).bfloat16()
     queries = torch.randn(n, 2, group, head_dim, generator=g)
     tables = FusedTables.build(keys_stack, value_stack, [None] * 2 * n, triton_kernels.launch_shape(group)[1], 32)
-    assert tables.walk is not None and tables.kinds == 1 << 4  # (signed members only: the walk serves them)
+    assert tables.walk_tab is not None and tables.kinds == 1 << 4  # (signed members only: the walk serves them)
     new_k, new_v = tail_k[:, :, filled - 1:filled].clone(), tail_v[:, :, filled - 1:filled].clone()
     out = dispatch.fused_attention(tables, keys_stack.aux_scale, tail_k, queries.reshape(2 * n, -1, head_dim), 1.0,
                                    new_k.reshape(2 * n, 1, head_dim), new_v.reshape(2 * n, 1, head_dim),

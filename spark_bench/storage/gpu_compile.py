@@ -90,9 +90,8 @@ def _arguments(launch: Launch):
     tables = SimpleNamespace(seg=packed[:a], head=packed[a:a + b], work=packed[a + b:a + b + c],
                              lists=packed[a + b + c:a + b + c + 2], n_slots=4, n_work=2, members=members,
                              aligned=True, width=launch.width if launch.kinds & 2 else 0, pairs=True,
-                             kinds=launch.kinds, walk_tab=packed[:4],
-                             walk=torch.zeros(64, dtype=torch.float32) if launch.kinds & 16 and d % 32 == 0 and d <= 128
-                             else None)
+                             kinds=launch.kinds,
+                             walk_tab=packed[:4] if launch.kinds & 16 and d % 32 == 0 and d <= 128 else None)
     aux = torch.ones(heads, d)
     for kernel, _, args, kwargs in triton_decode.launches(q, 0.088, aux, tables, tail_k, new, new, tail_k, tail_v,
                                                           torch.zeros(1, dtype=torch.int64), launch.q_len, 0,

@@ -41,7 +41,6 @@ WORK_COLS = 10  # list_start, count, t_start, t_end, val_addr, chunk, then the e
 # a launch's tables hold a set of kinds, a bit each (FusedTables.kinds, the kernel's KINDS)
 KINDS = ("dense", "structured", "bare", "plain", "signed")
 ALL_KINDS = (1 << len(KINDS)) - 1
-ROWS = 16  # query rows per program of the fused kernel (members × rows per member)
 WALK_TABLE_BYTES = 2368  # the signed walk's constant table (walk_table)
 
 
@@ -296,11 +295,9 @@ class FusedTables:
     width: int = 0  # the kernel's TK: the structured (ThinK) segments' kept channels, padded (0: none)
     pairs: bool = False  # every structured segment keeps an even number of channels from a 4-byte aligned start
     kinds: int = ALL_KINDS  # the member kinds its work items hold (bit k: KINDS[k]): the kernel's loops
-    # the signed walk (storage/triton_walk.py: official-recovery keys at a decode step, head_dim a multiple of 32 up
-    # to 128, masks 4-byte aligned): its constant table (a slice of ``packed``) and the per-step tables of each
-    # query head (float32, written by the kernel); None where the walk does not apply
+    # the signed walk's constant table (storage/triton_walk.py: official-recovery keys at a decode step, head_dim a
+    # multiple of 32 up to 128, masks 4-byte aligned; a slice of ``packed``); None where the walk does not apply
     walk_tab: torch.Tensor | None = None
-    walk: torch.Tensor | None = None
 
     @staticmethod
     def chunk_of(n: int, block: int = 16) -> int:
@@ -322,15 +319,11 @@ class FusedTables:
     @classmethod
     def view(cls, packed: torch.Tensor, layout: tuple) -> "FusedTables":
         """The tables over ``packed`` (the device copy of :meth:`layout`'s list, or a slice of a larger upload)."""
-        a, b, c, slots, n_work, members, aligned, width, pairs, kinds, (walk_at, heads, head_dim) = layout
+        a, b, c, slots, n_work, members, aligned, width, pairs, kinds, walk_at = layout
         lists = packed[a + b + c:walk_at if walk_at >= 0 else None]
-        walk_tab = walk = None
-        if walk_at >= 0:
-            walk_tab = packed[walk_at:walk_at + WALK_TABLE_BYTES // 8]
-            walk = torch.empty(heads * head_floats(head_dim, ROWS // members), dtype=torch.float32,
-                               device=packed.device)
+        walk_tab = packed[walk_at:walk_at + WALK_TABLE_BYTES // 8] if walk_at >= 0 else None
         return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], lists, slots, n_work,
-                   members, aligned, width, pairs, kinds, walk_tab, walk)
+                   members, aligned, width, pairs, kinds, walk_tab)
 
     @classmethod
     def layout(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
@@ -427,7 +420,7 @@ class FusedTables:
         width = max(32, 1 << (widest - 1).bit_length()) if widest and present & 2 else 0
         pairs = all(r[1] % 2 == 0 and r[2] % 4 == 0 for r in seg_rows if r[10])  # (structured segments)
         return flat, (SEG_COLS * len(seg_rows), HEAD_COLS * n_heads, WORK_COLS * len(work), slots, len(work), members,
-                      aligned, width, pairs, present, (walk_at, n_heads, d))
+                      aligned, width, pairs, present, walk_at)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed)

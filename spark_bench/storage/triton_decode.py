@@ -57,7 +57,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, ROWS, SEG_COLS, WORK_COLS
+from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, SEG_COLS, WORK_COLS, head_floats
 from spark_bench.storage.triton_compact import _member_scores
 from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _split3
 from spark_bench.storage.triton_merge import _merge_kernel
@@ -68,6 +68,7 @@ SEG: tl.constexpr = tl.constexpr(SEG_COLS)
 HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)
 WORK: tl.constexpr = tl.constexpr(WORK_COLS)
 BLOCK = {2: 32, 4: 16}  # tokens per step of the token loop by element size
+ROWS = 16       # query rows per program (the dot products' M)
 # warps of the partials kernel by element size: bfloat16 (tensor-core dots) 4 warps at BLOCK 32 (≤ 248 registers
 # at D ≤ 128, 2 CTAs per SM, no spill; BLOCK 64 at 4 warps spills, at 8 warps issues ~7% more per byte); float32 (FMA
 # dots) 8 warps at BLOCK 16 (≤ 254 registers, no spill)
@@ -302,12 +303,14 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
     if acc is None:
         acc = torch.empty(tables.n_slots, n, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(tables.n_slots, n, 2, dtype=torch.float32, device=q.device)
-    # the signed walk at a decode step (one block of query rows per head: its per-step tables, one per head)
-    walk = getattr(tables, "walk", None) is not None and n <= rpm
+    # the signed walk at a decode step (one block of query rows per head): its per-step tables, one per query head,
+    # in a buffer of the launch (memory.step_work counts it)
+    walk = getattr(tables, "walk_tab", None) is not None and n <= rpm
+    scratch = torch.empty(tables.head.numel() // HEAD_COLS * head_floats(d, rpm), dtype=torch.float32,
+                          device=q.device) if walk else acc
     partials = (_partials_kernel, (max(tables.n_work, 1), triton.cdiv(n, rpm)),
-                (q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, tail_len,
-                 tables.walk if walk else acc, tables.walk_tab if walk else tables.seg, n, q.stride(0), scale,
-                 tables.n_work, advance),
+                (q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, tail_len, scratch,
+                 tables.walk_tab if walk else tables.seg, n, q.stride(0), scale, tables.n_work, advance),
                 dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK[elem.element_size()],
                      ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
                      TK=getattr(tables, "width", 0), PAIRS=bool(getattr(tables, "pairs", False)),
