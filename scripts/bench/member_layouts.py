@@ -66,9 +66,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from spark_bench.storage.gpu_compile import Launch, _target, _tool, compile_launch, guarded, parse_sass  # noqa: E402
-from spark_bench.storage.segments import KINDS  # noqa: E402
+from spark_bench.storage.segments import KINDS, walk_table  # noqa: E402
 from spark_bench.storage.triton_math import _ffs, _popc  # noqa: E402
-from spark_bench.storage.triton_walk import SLOTS  # noqa: E402
+from spark_bench.storage.triton_walk import SLOTS, _walk_start  # noqa: E402
 
 D, T, BLOCK, WARPS = 128, 26, 32, 4
 SIGNED = 1 << KINDS.index("signed")  # the partials kernel's KINDS for official-recovery SparK rows alone
@@ -157,21 +157,7 @@ def _member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.c
     C1 = _popc(x0).to(tl.uint32)                      # kept channels before words 1, 2, 3
     C2 = C1 + _popc(x1).to(tl.uint32)
     C3 = C2 + _popc(x2).to(tl.uint32)
-    p0 = (W * SPT).to(tl.uint32)                      # rank 7W: its word, then its byte (SWAR), then its bit (table)
-    g1, g2, g3 = p0 >= C1, p0 >= C2, p0 >= C3
-    xw0 = tl.where(g3, x3, tl.where(g2, x2, tl.where(g1, x1, x0)))
-    rr = p0 - tl.where(g3, C3, tl.where(g2, C2, tl.where(g1, C1, 0)))
-    s8 = tl.where(g3, 24, tl.where(g2, 16, tl.where(g1, 8, 0))).to(tl.uint32)    # 8 × the current word
-    bc = xw0 - ((xw0 >> 1) & 0x55555555)
-    bc = (bc & 0x33333333) + ((bc >> 2) & 0x33333333)
-    bc = (bc + (bc >> 4)) & 0x0F0F0F0F                # set bits per byte
-    Pb = bc * 0x01010101                              # their inclusive prefix sums
-    shb = _popc(((rr * 0x01010101 + 0x80808080) - Pb) & 0x80808080).to(tl.uint32) * 8
-    eb = ((Pb - bc) >> shb) & 0xFF
-    c0 = shb + tl.load(tab_b + ((xw0 >> shb) & 0xFF) * 8 + (rr - eb)).to(tl.uint32)
-    rem = xw0 & (0xFFFFFFFF << c0)                    # the current word's kept channels from rank 7W on
-    nzw = (tl.where(x1 != 0, 2, 0) | tl.where(x2 != 0, 4, 0) | tl.where(x3 != 0, 8, 0)).to(tl.uint32)
-    nxt = tl.load((tab_b + 2048 + nzw * 4).to(tl.pointer_type(tl.uint32), bitcast=True))  # byte k: 8 × next word > k
+    rem, s8, nxt = _walk_start(x0, x1, x2, x3, C1, C2, C3, (W * SPT).to(tl.uint32), tab_b)  # (the real kernel's)
     acc = tl.zeros((4, 4, 8, 4), tl.float32)
     kqa = tl.zeros((4, 4, 8, 4), tl.float32)
     for i in tl.static_range(SPT):
@@ -286,17 +272,7 @@ def stores(n_tok: int, count: int, seed: int = 0) -> dict:
     kept_mask = torch.zeros(count, n_tok, D, dtype=torch.bool).scatter_(2, order, True)
     sbits = torch.ones(count, n_tok * 128, dtype=torch.long)
     sbits[:, SIGN_OFF.value:SIGN_OFF.value + n_tok * (D - T)] = (sign[~kept_mask] > 0).long().view(count, -1)
-    tab = torch.zeros(2048 + 64 + 256, dtype=torch.uint8)
-    for v in range(256):
-        for j, b in enumerate(b for b in range(8) if v >> b & 1):
-            tab[8 * v + j] = b
-    for z in range(16):
-        for k in range(4):
-            tab[2048 + 4 * z + k] = 8 * next((j for j in range(k + 1, 4) if z >> j & 1), 3)
-    for pm in range(16):
-        on = [i for i in range(4) if pm >> i & 1]
-        for ch in range(16):
-            tab[2112 + 16 * pm + ch] = sum(1 << i for j, i in enumerate(on) if ch >> j & 1)
+    tab = torch.frombuffer(bytearray(walk_table()), dtype=torch.uint8)  # (the real kernel's constant table)
 
     def table(rows):  # (count, D + 1, 4): channel c's 4 query rows, row D zero (B's masked padding slots)
         return torch.cat([rows.transpose(1, 2), torch.zeros(count, 1, 4)], 1)

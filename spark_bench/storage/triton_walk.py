@@ -74,6 +74,28 @@ def _walk_tables(walk_ptr, q, qa, qh_r, own, r, c, D: tl.constexpr, D_PAD: tl.co
 
 
 @triton.jit
+def _walk_start(x0, x1, x2, x3, c1, c2, c3, p0, tab):
+    """Where a lane's walk starts: kept rank ``p0`` (uint32) of a token's mask words ``x0 … x3`` (``c1, c2, c3``:
+    the kept channels before words 1, 2, 3) — its word by those counts, its byte by SWAR prefix sums of the byte
+    counts, its bit by the constant table's (byte, j) → bit — as (the word's kept channels from that rank on,
+    8 × the word's index, the table's next-nonzero-word entry for the token: byte k = 8 × the word after k)."""
+    g1, g2, g3 = p0 >= c1, p0 >= c2, p0 >= c3
+    xw = tl.where(g3, x3, tl.where(g2, x2, tl.where(g1, x1, x0)))
+    rr = p0 - tl.where(g3, c3, tl.where(g2, c2, tl.where(g1, c1, 0)))
+    s8 = tl.where(g3, 24, tl.where(g2, 16, tl.where(g1, 8, 0))).to(tl.uint32)
+    bc = xw - ((xw >> 1) & 0x55555555)
+    bc = (bc & 0x33333333) + ((bc >> 2) & 0x33333333)
+    bc = (bc + (bc >> 4)) & 0x0F0F0F0F  # set bits per byte
+    pb = bc * 0x01010101  # their inclusive prefix sums
+    shb = _popc(((rr * 0x01010101 + 0x80808080) - pb) & 0x80808080).to(tl.uint32) * 8
+    eb = ((pb - bc) >> shb) & 0xFF
+    c0 = shb + tl.load(tab + ((xw >> shb) & 0xFF) * 8 + ((rr - eb) & 7)).to(tl.uint32)
+    nzw = (tl.where(x1 != 0, 2, 0) | tl.where(x2 != 0, 4, 0) | tl.where(x3 != 0, 8, 0)).to(tl.uint32)
+    nxt = tl.load((tab + NEXT + nzw * 4).to(tl.pointer_type(tl.uint32), bitcast=True))
+    return xw & (0xFFFFFFFF << (c0 & 31)), s8, nxt
+
+
+@triton.jit
 def _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, t_end, D: tl.constexpr,
                  D_PAD: tl.constexpr, BLOCK_: tl.constexpr, RPM: tl.constexpr, ROWS_: tl.constexpr,
                  ELEM: tl.constexpr):
@@ -110,22 +132,7 @@ def _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, 
     c2 = c1 + _popc(x1).to(tl.uint32)
     c3 = c2 + _popc(x2).to(tl.uint32)
     spt = (t_kept + 3) // 4  # kept ranks per lane
-    # lane W's first kept rank, W·spt: its word, then its byte (SWAR prefix sums of the byte counts), then its bit
-    p0 = (W * spt).to(tl.uint32)
-    g1, g2, g3 = p0 >= c1, p0 >= c2, p0 >= c3
-    xw = tl.where(g3, x3, tl.where(g2, x2, tl.where(g1, x1, x0)))
-    rr = p0 - tl.where(g3, c3, tl.where(g2, c2, tl.where(g1, c1, 0)))
-    s8 = tl.where(g3, 24, tl.where(g2, 16, tl.where(g1, 8, 0))).to(tl.uint32)  # 8 × its word
-    bc = xw - ((xw >> 1) & 0x55555555)
-    bc = (bc & 0x33333333) + ((bc >> 2) & 0x33333333)
-    bc = (bc + (bc >> 4)) & 0x0F0F0F0F  # set bits per byte
-    pb = bc * 0x01010101  # their inclusive prefix sums
-    shb = _popc(((rr * 0x01010101 + 0x80808080) - pb) & 0x80808080).to(tl.uint32) * 8
-    eb = ((pb - bc) >> shb) & 0xFF
-    c0 = shb + tl.load(tab + ((xw >> shb) & 0xFF) * 8 + ((rr - eb) & 7)).to(tl.uint32)
-    rem = xw & (0xFFFFFFFF << (c0 & 31))  # the word's kept channels from that rank on
-    nzw = (tl.where(x1 != 0, 2, 0) | tl.where(x2 != 0, 4, 0) | tl.where(x3 != 0, 8, 0)).to(tl.uint32)
-    nxt = tl.load((tab + NEXT + nzw * 4).to(tl.pointer_type(tl.uint32), bitcast=True))  # byte k: 8 × next word
+    rem, s8, nxt = _walk_start(x0, x1, x2, x3, c1, c2, c3, (W * spt).to(tl.uint32), tab)  # (rank W·spt on)
     kept = tl.load(row + 2).to(tl.pointer_type(ELEM), bitcast=True) + local * t_kept
     acc = tl.zeros((BLOCK_ // 8, 4, 8, RPM), tl.float32)
     kqa = tl.zeros((BLOCK_ // 8, 4, 8, RPM), tl.float32)
