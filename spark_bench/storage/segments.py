@@ -243,6 +243,7 @@ def _address(part: torch.Tensor, offset: int) -> int:
     return part.data_ptr() + offset * part.element_size()
 
 
+@functools.lru_cache(maxsize=1)
 def walk_table() -> bytes:
     """The walk's constant table: 256 × 8 (byte, j) → the bit of the byte's j-th set bit; 16 × 4 (which of words 1-3
     are nonzero, word k) → 8 × the next nonzero word after k (24 if none: word 3); 16 × 16 (pruned channels of a

@@ -225,16 +225,16 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     cm = c < D
     q = tl.load(q_ptr + (qh_r * q_stride + g * D)[:, None] + c[None, :], mask=row_ok[:, None] & cm[None, :],
                 other=0.0).to(tl.float32) * scale
-    if ELEM == tl.bfloat16:  # the queries' and q ∘ a's bfloat16 splits, once (tensor-core dots, float32 products)
+    if ELEM == tl.bfloat16 or WALK:  # the recovery's scale a (q ∘ a: the recovery term)
         aux = tl.load(aux_ptr + qh_r[:, None] * D + c[None, :], mask=row_ok[:, None] & cm[None, :], other=0.0)
+    if ELEM == tl.bfloat16:  # the queries' and q ∘ a's bfloat16 splits, once (tensor-core dots, float32 products)
         q1, q2, q3 = _split3(q)
         qa1, qa2, qa3 = _split3(q * aux)
         qs = (q1, q2, q3, qa1, qa2, qa3)
     else:
         qs = (q, q, q, q, q, q)
     if WALK:  # the signed members' per-step tables (q, q ∘ a by channel; q ∘ a's nibble sums), then a barrier
-        aux_w = tl.load(aux_ptr + qh_r[:, None] * D + c[None, :], mask=row_ok[:, None] & cm[None, :], other=0.0)
-        _walk_tables(walk_ptr, q, q * aux_w, qh_r, row_ok & (member >= n_plain) & (member < count), r, c, D, D_PAD,
+        _walk_tables(walk_ptr, q, q * aux, qh_r, row_ok & (member >= n_plain) & (member < count), r, c, D, D_PAD,
                      RPM)
     if TK > 0:  # the structured members' queries at their kept channels (zero past them and in other rows)
         j = tl.arange(0, TK)
