@@ -15,11 +15,14 @@ its next signs) into the nibble of its positive channels, which indexes a per-st
 nibble's subsets. Products and sums are float32 FMAs/adds; the four lanes' partial logits are summed at the end.
 
 The per-step tables (per query head: ``q`` and ``qa`` by channel, a zero row for padding slots; the nibble sums;
-``Σ_c qa``) are written by each program that serves the head, in its prologue (:func:`_walk_tables`), into
-``FusedTables.walk``: every program serving a head writes the same values, so it reads what it wrote after its own
-barrier whichever program wrote last. The constant tables (:func:`~spark_bench.storage.segments.walk_table`, 2,368 bytes) travel with the
-other tables (``FusedTables.walk_tab``). Measured standalone against the dense-tile loop (``scripts/bench/member_layouts.py``,
-layout W): 465 instead of 952 SASS instructions per warp per 32-token block on sm_90.
+``Σ_c qa``; :func:`~spark_bench.storage.segments.head_floats` floats) are written by each program that serves the
+head, in its prologue (:func:`_walk_tables`), into a buffer of the launch: every program serving a head writes the
+same values, so it reads what it wrote after its own barrier whichever program wrote last. The constant table
+(:func:`~spark_bench.storage.segments.walk_table`, 2,368 bytes) travels with the other tables
+(``FusedTables.walk_tab``). A lane's kept ranks are visited ``SLOTS`` per trip of a loop (the last trip's extra ones
+masked). On sm_90 at T = 26 (SparK 0.8, head_dim 128): 380 + 155 per trip = 690 SASS instructions per warp per
+32-token block, instead of the dense-tile loop's 952 (``scripts/bench/instructions.py``; a standalone walk with T
+fixed, ``scripts/bench/member_layouts.py`` layout W, 463).
 """
 
 from __future__ import annotations
