@@ -51,7 +51,7 @@ from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.eviction.adasnapkv import AdaSnapKV
 from spark_bench.methods.eviction.snapkv import SnapKV
 from spark_bench.models import ModelConfig
-from spark_bench.storage.segments import head_floats
+from spark_bench.storage.walk_layout import head_floats, walks
 
 LOG = logging.getLogger(__name__)
 
@@ -286,8 +286,8 @@ def step_work(arch: Arch, rows: int, prompt: int, capacity: int, itemsize: int, 
     and AdaKV's unpacked validity (one byte per entry). CUDA (the fused kernel): its partial softmax, ``(D + 2)·4``
     bytes per query row per chunk of at least 256 tokens (:meth:`~spark_bench.storage.segments.FusedTables.chunk_of`),
     no score tensor, and at a decode step the signed walk's per-step tables, one per row and kv-head
-    (:func:`~spark_bench.storage.segments.head_floats`; counted whatever the rows' methods, head_dim a multiple of 32
-    up to 128). A suffix of ``suffix`` tokens multiplies the query rows, its chunks bounded by
+    (:func:`~spark_bench.storage.walk_layout.head_floats`; counted whatever the rows' methods, where the walk serves
+    the head_dim). A suffix of ``suffix`` tokens multiplies the query rows, its chunks bounded by
     :data:`STEP_WORK_BOUND`."""
     h, hq, d = arch.num_kv_heads, arch.num_heads, arch.head_dim
     q_rows = max(1, suffix)
@@ -298,7 +298,7 @@ def step_work(arch: Arch, rows: int, prompt: int, capacity: int, itemsize: int, 
     cpu += ada * h * prompt
     chunks = -(-prompt // max(256, min(1024, prompt // 8)))
     cuda = min(rows * hq * q_rows * chunks * (d + 2) * 4, max(STEP_WORK_BOUND, rows * hq * chunks * (d + 2) * 4))
-    if suffix <= 1 and d % 32 == 0 and d <= 128:
+    if suffix <= 1 and walks(d):
         cuda += rows * h * head_floats(d, min(1 << (hq // h - 1).bit_length(), 16)) * 4
     return common + cpu, common + cuda
 

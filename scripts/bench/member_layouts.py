@@ -66,9 +66,10 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from spark_bench.storage.gpu_compile import Launch, _target, _tool, compile_launch, guarded, parse_sass  # noqa: E402
-from spark_bench.storage.segments import KINDS, walk_table  # noqa: E402
+from spark_bench.storage.segments import KINDS  # noqa: E402
 from spark_bench.storage.triton_math import _ffs, _popc  # noqa: E402
 from spark_bench.storage.triton_walk import SLOTS, _walk_start  # noqa: E402
+from spark_bench.storage.walk_layout import walk_table  # noqa: E402
 
 D, T, BLOCK, WARPS = 128, 26, 32, 4
 SIGNED = 1 << KINDS.index("signed")  # the partials kernel's KINDS for official-recovery SparK rows alone

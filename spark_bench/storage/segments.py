@@ -26,6 +26,7 @@ import torch
 
 from spark_bench.storage.bits import pack_bits, tensor_bytes
 from spark_bench.storage.stores import DenseStore, StructuredKeyStore, UnstructuredStore, channel_index_dtype
+from spark_bench.storage.walk_layout import WALK_TABLE_BYTES, walk_table, walks
 
 # the C++ kernel's table: each array read from one of several parts (the rows' own tensors) at an offset in it
 PART_COLUMNS = ("qh", "out_off", "n_tokens", "t_kept", "kept_part", "kept_off", "mask_part", "mask_off", "mask_stride",
@@ -41,7 +42,6 @@ WORK_COLS = 10  # list_start, count, t_start, t_end, val_addr, chunk, then the e
 # a launch's tables hold a set of kinds, a bit each (FusedTables.kinds, the kernel's KINDS)
 KINDS = ("dense", "structured", "bare", "plain", "signed")
 ALL_KINDS = (1 << len(KINDS)) - 1
-WALK_TABLE_BYTES = 2368  # the signed walk's constant table (walk_table)
 
 
 @dataclass(frozen=True)
@@ -243,33 +243,6 @@ def _address(part: torch.Tensor, offset: int) -> int:
     return part.data_ptr() + offset * part.element_size()
 
 
-@functools.lru_cache(maxsize=1)
-def walk_table() -> bytes:
-    """The walk's constant table: 256 × 8 (byte, j) → the bit of the byte's j-th set bit; 16 × 4 (which of words 1-3
-    are nonzero, word k) → 8 × the next nonzero word after k (24 if none: word 3); 16 × 16 (pruned channels of a
-    nibble, the next four sign bits in pruned order) → the nibble's positive channels."""
-    out = bytearray(WALK_TABLE_BYTES)
-    for v in range(256):
-        for j, b in enumerate(b for b in range(8) if v >> b & 1):
-            out[8 * v + j] = b
-    for z in range(16):
-        for k in range(4):
-            out[2048 + 4 * z + k] = 8 * next((j for j in range(k + 1, 4) if z >> j & 1), 3)
-    for pm in range(16):
-        on = [i for i in range(4) if pm >> i & 1]
-        for ch in range(16):
-            out[2112 + 16 * pm + ch] = sum(1 << i for j, i in enumerate(on) if ch >> j & 1)
-    return bytes(out)
-
-
-def head_floats(head_dim: int, rpm: int) -> int:
-    """Floats of one query head's per-step tables for the signed walk: ``q`` and ``qa`` by channel (``head_dim + 1``
-    rows, the last 0), the nibble sums (the padded head_dim's nibbles × 16 subsets, 0 past ``head_dim``), ``Σ_c qa``
-    — ``rpm`` rows each."""
-    padded = max(32, 1 << (head_dim - 1).bit_length())
-    return (head_dim + 1) * 2 * rpm + padded // 4 * 16 * rpm + rpm
-
-
 @dataclass(frozen=True)
 class FusedTables:
     """The fused decode kernel's view of a stacked batch (:mod:`.triton_decode`): 64-bit addresses into the rows' own
@@ -411,7 +384,7 @@ class FusedTables:
         # the signed walk (storage/triton_walk.py) where its keys allow: masks of whole 32-bit words, 4-byte aligned
         d = keys.head_dim
         walk_at = -1
-        if present & 1 << KINDS.index("signed") and d % 32 == 0 and d <= 128 and all(
+        if present & 1 << KINDS.index("signed") and walks(d) and all(
                 r[3] % 4 == 0 for r in seg_rows if r[8] == MODES["signed"]):
             walk_at = len(flat)
             flat += list(struct.unpack(f"<{WALK_TABLE_BYTES // 8}q", walk_table()))

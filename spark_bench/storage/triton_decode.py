@@ -15,13 +15,9 @@ kept → ``k_tc``; pruned, mode 0 → ``f · a_c``; mode 1 (paper degenerate) �
 ``s_tc · sqrt(μ_t) · a_c``; mode 3 → every channel kept. ``a = aux_scale`` per query head (``1/q̄`` paper,
 ``1/sqrt(‖q‖)`` official, ones otherwise), so ``q · k̃`` equals the C++ kernel's formula (``engine/kernels``).
 
-bfloat16 stores score on the tensor cores with float32 products: the queries (float32, scaled) and ``q ∘ a`` are split
-once per program into three bfloat16 terms each (``q = q₁ + q₂ + q₃`` to float32's 24 bits), and per block
-``q · k̃ = Σᵢ qᵢ · K + scale_t · Σᵢ (q ∘ a)ᵢ · S`` with ``K`` the kept entries at their channels (0 where pruned) and
-``S`` the pruned entries' signs (±1 official, 1 otherwise, 0 where kept) — both exact in bfloat16, every product
-exact in float32, accumulated in float32 (``tl.dot``); no float32 key is rebuilt. A kept channel's rank (its index
-among the token's kept entries) is counted from the mask read as 32-bit words (``POPC``), no scan over the channels;
-the official recovery's signs (one bit per pruned entry, in pruned order) are read as one 32-bit window per mask word.
+bfloat16 stores score on the tensor cores with float32 products (the queries and ``q ∘ a`` split once per program
+into three bfloat16 terms, :func:`~.triton_math._split3`): ``q · k̃ = q · K + scale_t · (q ∘ a) · S`` with ``K`` the
+kept entries at their channels and ``S`` the pruned entries' signs, both exact in bfloat16 (:mod:`.triton_compact`);
 float32 stores rebuild the float32 keys and use an FMA dot (``input_precision=DOT_PRECISION``).
 
 Rows sharing a value tensor (configs with the same eviction selection) are stacked into the rows of one program
@@ -32,21 +28,17 @@ like the values); structured keys (ThinK's channel subset, in work items before 
 ``T`` kept entries against the queries gathered at those channels once per program, a ``TK``-deep dot, no mask read);
 keys whose pruned entries read as 0 (SparK's zero/none recoveries, AdaKV rows, ThinK's item holding its recent
 tokens: no recovery term); compact keys with a recovery without signs (SparK's paper/constant recoveries); with signs
-(SparK's official recovery: at a decode step, ≤ ``RPM`` query rows per head, read by walks over each token's kept
-entries where they are stored, :mod:`.triton_walk`, no key tile; a longer suffix through the cache rebuilds the tile);
-a launch compiles only the loops of the kinds its tables hold (``KINDS``,
-:attr:`FusedTables.kinds <spark_bench.storage.segments.FusedTables>`: a batch without compact keys runs a kernel with
-neither their registers nor their preambles). Whole blocks run unmasked, addressed by 32-bit offsets from the block's first row; a
-chunk's last, partial block runs masked in a second loop. Softmax weights are ``2^(s·log₂e − m·log₂e)``
+(SparK's official recovery: at a decode step walked over each token's kept entries where they are stored,
+:mod:`.triton_walk`; a longer suffix rebuilds the key tile). A launch compiles only the loops of the kinds its tables
+hold (``KINDS``). Whole blocks run unmasked, addressed by 32-bit offsets from the block's first row; a chunk's last,
+partial block runs masked in a second loop. Softmax weights are ``2^(s·log₂e − m·log₂e)``
 (``ex2.approx.ftz``) and their row sums are kept per column until the chunk ends. A member's
 table row is read as scalars (L1-resident), never picked out of registers. Values (and dense keys) are addressed
 from the typed element pointer plus a 64-bit offset that the tables state is 16-byte aligned (``VALIGN``): 16-byte
-loads. The machine code's instruction budget is measured by ``scripts/bench/instructions.py``
-(``results/bench/instructions.json``). The kernels read the rows' own tensors in place through 64-bit addresses in
-the tables (:class:`~spark_bench.storage.segments.FusedTables`): nothing is concatenated or copied. Addresses are
-64-bit; offsets inside a segment or a block are 32-bit (the tables refuse a segment of 2³¹ entries). ``head_dim``
-is padded to a power of two inside the kernels (``D_PAD``, at least 32 in the partials kernel), so any multiple of 8
-works. Logits and softmax are float32.
+loads (instructions per byte: ``scripts/bench/instructions.py``). The kernels read the rows' own tensors in place
+through the tables' 64-bit addresses (nothing copied); offsets inside a segment or a block are 32-bit (no segment of
+2³¹ entries). ``head_dim`` is padded to a power of two inside the kernels (``D_PAD``, at least 32 in the partials
+kernel), so any multiple of 8 works. Logits and softmax are float32.
 
 Tests run it on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported)
 and compile every specialisation for sm_80/sm_90 ahead of time (``tests/test_gpu_compile.py``).
@@ -57,11 +49,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, SEG_COLS, WORK_COLS, head_floats
+from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, SEG_COLS, WORK_COLS
 from spark_bench.storage.triton_compact import _member_scores
 from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _split3
 from spark_bench.storage.triton_merge import _merge_kernel
 from spark_bench.storage.triton_walk import _walk_scores, _walk_tables
+from spark_bench.storage.walk_layout import head_floats
 
 # the tables' row widths (storage/segments.py builds them, its *_COLS say what each column holds)
 SEG: tl.constexpr = tl.constexpr(SEG_COLS)
@@ -190,11 +183,9 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads); ``PAIRS``: every
     structured segment keeps an even number of channels from a 4-byte aligned start (its entries read in pairs);
     ``KINDS``: the member kinds the tables' work items hold (bit k: :data:`~spark_bench.storage.segments.KINDS`
-    ``[k]``, the structured one also ``TK > 0``): the loops of the
-    others are not compiled in (a launch without compact keys runs a kernel of ~190 registers whose token loop
-    issues ~70 fewer instructions per block, ``results/bench/instructions.json``); ``WALK``: the signed members are
-    read by walks (:mod:`.triton_walk`; a decode step, ``n_rows ≤ RPM``), their per-step tables written at
-    ``walk_ptr`` in the prologue, the constant table at ``tab_ptr``.
+    ``[k]``, the structured one also ``TK > 0``), the others' loops not compiled in (a launch without compact keys:
+    ~190 registers, ~70 fewer instructions per block); ``WALK``: the signed members are walked (:mod:`.triton_walk`;
+    a decode step, ``n_rows ≤ RPM``), their per-step tables written at ``walk_ptr``, the constant table at ``tab_ptr``.
     Program (0, 0) also advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
     w = tl.program_id(0).to(tl.int64)
     gb = tl.program_id(1).to(tl.int64)

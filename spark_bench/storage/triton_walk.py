@@ -15,10 +15,10 @@ its next signs) into the nibble of its positive channels, which indexes a per-st
 nibble's subsets. Products and sums are float32 FMAs/adds; the four lanes' partial logits are summed at the end.
 
 The per-step tables (per query head: ``q`` and ``qa`` by channel, a zero row for padding slots; the nibble sums;
-``Σ_c qa``; :func:`~spark_bench.storage.segments.head_floats` floats) are written by each program that serves the
+``Σ_c qa``; :func:`~.walk_layout.head_floats` floats) are written by each program that serves the
 head, in its prologue (:func:`_walk_tables`), into a buffer of the launch: every program serving a head writes the
 same values, so it reads what it wrote after its own barrier whichever program wrote last. The constant table
-(:func:`~spark_bench.storage.segments.walk_table`, 2,368 bytes) travels with the other tables
+(:func:`~.walk_layout.walk_table`, 2,368 bytes) travels with the other tables
 (``FusedTables.walk_tab``). A lane's kept ranks are visited ``SLOTS`` per trip of a loop (the last trip's extra ones
 masked). On sm_90 at T = 26 (SparK 0.8, head_dim 128): 380 + 155 per trip = 690 SASS instructions per warp per
 32-token block, instead of the dense-tile loop's 952 (``scripts/bench/instructions.py``; a standalone walk with T
@@ -36,7 +36,7 @@ from spark_bench.storage.triton_math import _ffs, _popc, _sqrt_rn
 SEG: tl.constexpr = tl.constexpr(SEG_COLS)  # (the tables' row widths)
 HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)
 SLOTS: tl.constexpr = tl.constexpr(4)    # kept ranks a lane visits per trip of its loop
-NEXT: tl.constexpr = tl.constexpr(2048)    # offsets in the constant table (segments.walk_table): (byte, j) → bit
+NEXT: tl.constexpr = tl.constexpr(2048)    # offsets in the constant table (walk_layout.walk_table): (byte, j) → bit
 EXPAND: tl.constexpr = tl.constexpr(2112)  # of its j-th set bit at 0, (nonzero words, k) → 8 × the next nonzero
 #                                            word, (pruned nibble, signs) → the positive channels' nibble
 
