@@ -7,80 +7,29 @@ and the decoded tokens of all rows in one dense preallocated tail, as the offici
 tokens dense. The two parts are merged exactly (:class:`Partial`, :func:`merge`). Attention is computed here, called
 by :mod:`spark_bench.engine.attention`, so the key matrix of a channel-pruned store is never rebuilt unless a store
 has no faster way (``attention="materialize"`` forces the dense reference: rebuild the keys, then a plain matmul).
+
+Three rooms beside this one: the softmax-in-parts arithmetic (:mod:`.partial`), how a batched layer's stacked rows
+reach the kernels — the fused CUDA launches and the C++ stacked path (:mod:`.launch`, mixed into
+:class:`BatchedLayer`) — and what a decode step needs to be captured in a CUDA graph (:mod:`.graphs`, mixed into
+:class:`BatchedCache`). This module holds the caches: the rows, their stores and tails, the order and tables a step
+reads, the per-row and reference paths and the run-time check of the kernels against them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from spark_bench.storage import dispatch
-from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
 from spark_bench.engine.fastpaths import FastPaths
+from spark_bench.engine.graphs import GraphSteps
+from spark_bench.engine.launch import StackedLaunch
+from spark_bench.engine.partial import Partial, exact_keys, merge, scaled_queries, tail_attention  # noqa: F401
+from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
 from spark_bench.storage.dispatch import compact_backend, compact_logits, kernel_blocker, reference_logits
 from spark_bench.storage.segments import FusedTables, SegmentStack, ValueStack, store_blocker
-from spark_bench.storage.stores import DenseStore, Store, UnstructuredStore
+from spark_bench.storage.stores import DenseStore, Store
 
 ATTENTION_MODES = ("compact", "materialize")
-
-
-@dataclass(frozen=True)
-class Partial:
-    """Softmax attention over one block of keys, un-normalised: ``out = Σ_j exp(s_j − m)·v_j``, ``norm = Σ_j
-    exp(s_j − m)``, ``m = max_j s_j`` (float32, per query row). Two blocks merge exactly (:func:`merge`): this is
-    how a row's compact prompt stores and the decoded tail — batched across rows — make one softmax."""
-
-    out: torch.Tensor   # (..., n_q, D) float32
-    norm: torch.Tensor  # (..., n_q, 1)
-    peak: torch.Tensor  # (..., n_q, 1)
-
-    @classmethod
-    def of(cls, scores: torch.Tensor, values: torch.Tensor) -> "Partial":
-        """``scores (..., n_q, S)`` (already scaled, −inf where masked) and ``values (..., S, D)``."""
-        peak = scores.amax(dim=-1, keepdim=True)  # finite: every block has a visible key per query row
-        w = (scores - peak).exp_()  # float32 weights times float32 values: one precision on every path
-        values = values.float()
-        if w.shape[0] > 1 and values.shape[0] == 1:  # rows sharing one value tensor: fold them into the query dim
-            r, h, n, s = w.shape                      # (a broadcast matmul would copy the values once per row)
-            out = (w.transpose(0, 1).reshape(1, h, r * n, s) @ values).view(h, r, n, -1).transpose(0, 1)
-        else:
-            out = w @ values
-        return cls(out, w.sum(dim=-1, keepdim=True), peak)
-
-
-def merge(parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
-    """Normalised attention output over the union of the parts' keys (log-sum-exp merge)."""
-    if len(parts) == 1:
-        return (parts[0].out / parts[0].norm).to(dtype)
-    peak = torch.maximum(parts[0].peak, parts[1].peak)
-    for p in parts[2:]:
-        peak = torch.maximum(peak, p.peak)
-    out = sum(p.out * (p.peak - peak).exp() for p in parts)
-    norm = sum(p.norm * (p.peak - peak).exp() for p in parts)
-    return (out / norm).to(dtype)
-
-
-def exact_keys(store: Store) -> torch.Tensor:
-    """A key store's keys in float32 as the compact kernels compute them: a SparK store's recovered entries in float32
-    (``materialize`` rounds them to the store's dtype), every other store's keys converted exactly."""
-    if isinstance(store, UnstructuredStore):
-        mask = store.kept_mask()
-        return store.recovery.fill(mask, torch.float32).masked_scatter(mask, store.kept.float())
-    return store.materialize().float()
-
-
-def tail_attention(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_len: int) -> Partial:
-    """Attention of ``grouped (R, H, G·q, D)`` (scaled, float32) queries over the decoded tail ``(R, H, t, D)``: the
-    newest ``q`` tokens are the tail's last ``q`` entries, causal among themselves; float32 throughout."""
-    r, h, gq, _ = grouped.shape
-    t = keys.shape[-2]
-    scores = grouped.float() @ keys.float().transpose(-1, -2)
-    if q_len > 1:  # query i (tail position t − q + i) sees tail keys 0 … t − q + i
-        causal = torch.ones(q_len, t, dtype=torch.bool, device=grouped.device).tril(t - q_len)
-        scores = scores.view(r, h, gq // q_len, q_len, t).masked_fill(~causal, float("-inf")).view(r, h, gq, t)
-    return Partial.of(scores, values)
 
 
 def _query_length(query) -> int:
@@ -225,12 +174,7 @@ def stackable(layer: StoredLayer, backend: str) -> str | None:
     return None if isinstance(layer.value_store, DenseStore) else "value channels are pruned"
 
 
-def _scaled(queries: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The queries times ``scaling`` in float32 (a new tensor: the model's query is never changed)."""
-    return queries * scaling if queries.dtype == torch.float32 else queries.float().mul_(scaling)
-
-
-class BatchedLayer(CacheLayerMixin):
+class BatchedLayer(StackedLaunch, CacheLayerMixin):
     """One decoder layer of a decode batch: each row's compact prompt stores plus one preallocated tail buffer
     ``(R, H_kv, capacity, D)`` for the tokens the rows decode together.
 
@@ -347,15 +291,6 @@ class BatchedLayer(CacheLayerMixin):
                       for j in range(self.batch_rows * self.tail_keys.shape[1])]
         return valid
 
-    def _tables(self, unit: dict, members: int) -> FusedTables:
-        """The fused kernel's tables of ``unit`` for ``members`` query heads per work item: built the first time a
-        query width needs them (one host→device copy), then with the layer's other indices when rows stop."""
-        if members not in unit["tables"]:
-            unit["tables"][members] = FusedTables.build(unit["keys"], unit["values"], self._valid(unit["rows"]),
-                                                        members)
-            self._members.add(members)
-        return unit["tables"][members]
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: a batched layer is built initialised."""
 
@@ -392,7 +327,7 @@ class BatchedLayer(CacheLayerMixin):
         if not self.reference and not self.fast_paths.on("kernel"):  # a kernel differed from its reference
             self._to_reference()
         if self.reference:
-            out = self._attend_rows(_scaled(grouped, scaling), q_len, "materialize")
+            out = self._attend_rows(scaled_queries(grouped, scaling), q_len, "materialize")
         else:
             variant = self._variant(grouped, q_len, mode) if self.fast_paths.enabled else None
             if variant is not None and self.fast_paths.due(variant):
@@ -407,8 +342,8 @@ class BatchedLayer(CacheLayerMixin):
         if self.stacked and self.backend == "triton":  # the kernels scale the queries in float32 themselves
             return self._attend_fused(grouped, scaling, q_len)
         if not self.stacked:  # (every row with mode="materialize")
-            return self._attend_rows(_scaled(grouped, scaling), q_len, mode)
-        return self._attend_cpu(_scaled(grouped, scaling), q_len)
+            return self._attend_rows(scaled_queries(grouped, scaling), q_len, mode)
+        return self._attend_cpu(scaled_queries(grouped, scaling), q_len)
 
     def _kernel_rows(self) -> list[int]:
         """The rows whose prompt attention a compiled kernel computes: the fused kernel's stacked rows on CUDA; on
@@ -448,12 +383,12 @@ class BatchedLayer(CacheLayerMixin):
         rows, b = self._kernel_rows(), self.batch_rows
         with checks.timed(self.tail_keys):
             out = self._attend_fast(grouped, scaling, q_len, mode)
-            reference = self._reference(_scaled(grouped, scaling), q_len, rows)
+            reference = self._reference(scaled_queries(grouped, scaling), q_len, rows)
             fast = torch.cat([out[i * b:(i + 1) * b] for i in rows])
         if checks.judge("kernel", variant, fast, reference, out.dtype, checks.seconds - start):
             return out
         self._to_reference()
-        return self._attend_rows(_scaled(grouped, scaling), q_len, "materialize")
+        return self._attend_rows(scaled_queries(grouped, scaling), q_len, "materialize")
 
     def _reference(self, grouped: torch.Tensor, q_len: int, rows: list[int]) -> torch.Tensor:
         """float32 attention of ``rows`` (``grouped``: the scaled float32 queries of every row) with each row's keys
@@ -491,100 +426,6 @@ class BatchedLayer(CacheLayerMixin):
         self.reference = True
         self.backend = "no: the reference path (a kernel differed from it)"
         self._arrange([])
-
-    def _rows_of(self, x: torch.Tensor, index, rows: list[int]) -> torch.Tensor:
-        if index is not None:
-            return x.index_select(0, index)
-        return x if len(rows) == x.shape[0] else x[rows[0]:rows[0] + len(rows)]
-
-    def _attend_fused(self, grouped: torch.Tensor, scaling: float, q_len: int) -> torch.Tensor:
-        """CUDA: each unit's rows through the fused kernel (query rows in chunks bounded by ``work_bytes``), the
-        loose rows through the per-row path. The layer's first launch advances the device length by the step's
-        ``q_len`` tokens, which the kernel writes into the tail (:attr:`kernel_writes_tail`) from :attr:`pending`."""
-        from spark_bench.storage.triton_decode import launch_shape
-
-        r, h, g, d = grouped.shape
-        cap = self.tail_keys.shape[2]
-        new_k, new_v = self.pending
-        self.pending = None
-        if grouped.stride()[2:] != (d, 1):
-            grouped = grouped.contiguous()
-        outs, advance = [], q_len
-        for unit in self.units:
-            rows, index = unit["rows"], unit["index"]
-            n = len(rows) * self.batch_rows * h
-            q = self._rows_of(grouped, index, rows).reshape(n, g, d)
-            tk = self._rows_of(self.tail_keys, index, rows).reshape(n, cap, d)
-            tv = self._rows_of(self.tail_values, index, rows).reshape(n, cap, d)
-            nk = self._rows_of(new_k, index, rows).reshape(n, q_len, d)
-            nv = self._rows_of(new_v, index, rows).reshape(n, q_len, d)
-            step = g
-            while step > 1 and self._tables(unit, launch_shape(step)[1]).n_slots * step * (d + 2) * 4 > self.work_bytes:
-                step = -(-step // 2)
-            out = torch.empty(n, g, d, dtype=grouped.dtype, device=q.device)
-            for g0 in range(0, g, step):  # a suffix's chunks of query rows: views read and written in place
-                rows_g = slice(g0, g0 + step)
-                tables = self._tables(unit, launch_shape(min(step, g - g0))[1])
-                dispatch.fused_attention(tables, unit["keys"].aux_scale, tk, q[:, rows_g], scaling, nk, nv, tk, tv,
-                                         self.length_t, q_len, g0, out[:, rows_g], advance)
-                advance = 0
-            outs.append(out)
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        out = out.view(-1, h, g, d)
-        if self.loose:
-            out = torch.cat([out, self._attend_rows(_scaled(grouped, scaling), q_len, "compact").to(out.dtype)])
-        return out if self.out_order is None else out.index_select(0, self.out_order)
-
-    def _attend_cpu(self, grouped: torch.Tensor, q_len: int) -> torch.Tensor:
-        """CPU: the C++ logits of the stacked rows (and the loose rows' own scores), one float32 softmax over prompt
-        and tail, the C++ ``weights · values``; a long suffix in chunks of query rows."""
-        r, h, g, d = grouped.shape
-        unit = self.units[0]
-        width = self.s_max + self.length
-        step = max(1, min(g, self.work_bytes // max(1, 3 * r * h * width * 4)))
-        outs = [self._attend_cpu_rows(grouped[:, :, g0:g0 + step], q_len, g0, unit) for g0 in range(0, g, step)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-    def _attend_cpu_rows(self, grouped: torch.Tensor, q_len: int, g0: int, unit: dict) -> torch.Tensor:
-        r, h, g, d = grouped.shape
-        n = len(self.stacked)
-        keys, values = unit["keys"], unit["values"]
-        if n == r:  # every row stacked: prompt and tail in the same two kernel calls
-            scores = dispatch.stack_logits(keys, grouped, self.tail_keys, self.length, q_len, g0)
-            self._mask_invalid(scores)
-            return dispatch.stack_apply(values, scores.softmax(dim=-1), self.tail_values, self.length)
-        mine = grouped[:n] if self.prefix else grouped.index_select(0, self.stacked_index)
-        prompt = dispatch.stack_logits(keys, mine, g0=g0)
-        pad = [torch.nn.functional.pad(self.rows[i].prompt_scores(grouped[i:i + 1]),
-                                       (0, self.s_max - self.rows[i].key_store.length), value=float("-inf"))
-               for i in self.loose]
-        prompt = torch.cat([prompt, *pad])
-        if self.order is not None:
-            prompt = prompt.index_select(0, self.order)
-        self._mask_invalid(prompt)
-        t = self.length
-        tail = grouped @ self.tail_keys[:, :, :t].float().transpose(-1, -2)
-        if q_len > 1:  # query row k (step query (g0 + k) % q_len) sees tail keys 0 … t − q + (g0 + k) % q_len
-            last = t - q_len + (torch.arange(g0, g0 + g, device=grouped.device) % q_len)
-            visible = torch.arange(t, device=grouped.device)[None, :] <= last[:, None]
-            tail = tail.masked_fill(~visible, float("-inf"))
-        weights = torch.cat([prompt, tail], dim=-1).softmax(dim=-1)
-        w_prompt, w_tail = weights[..., :self.s_max], weights[..., self.s_max:]
-        mine = w_prompt[:n] if self.prefix else w_prompt.index_select(0, self.stacked_index)
-        parts = [dispatch.stack_apply(values, mine)]
-        for i in self.loose:
-            store = self.rows[i].value_store
-            parts.append(w_prompt[i:i + 1, ..., :store.length] @ store.materialize().float())
-        out = torch.cat(parts)
-        if self.order is not None:
-            out = out.index_select(0, self.order)
-        return out + w_tail @ self.tail_values[:, :, :t].float()
-
-    def _mask_invalid(self, scores: torch.Tensor) -> None:
-        """−inf on AdaKV's padded heads, from the validity bits (past a row's length the kernels give −inf)."""
-        if self.valid_bits is not None:
-            invalid = ~unpack_bits(self.valid_bits, self.s_max).unsqueeze(2)
-            scores[..., :self.s_max].masked_fill_(invalid, float("-inf"))
 
     def _attend_rows(self, grouped: torch.Tensor, q_len: int, mode: str) -> torch.Tensor:
         """The per-row path for the loose rows: each row's prompt scores over its own stores (grouped by shared values),
@@ -650,7 +491,7 @@ def _groups_of(rows: list[StoredLayer], which: list[int]) -> list[list[int]]:
     return list(groups.values())
 
 
-class BatchedCache(Cache):
+class BatchedCache(GraphSteps, Cache):
     """The rows of one decode batch (each a :class:`CompressedCache`, e.g. every method config of a sample), seen
     by the model as one batch-``R`` cache. ``capacity``: most tokens any row will run through it."""
 
@@ -676,45 +517,6 @@ class BatchedCache(Cache):
     def keep(self, rows: list[int]) -> None:
         for layer in self.layers:
             layer.keep(rows)
-
-    def graph_blocker(self) -> str | None:
-        """Why a decode step of this batch cannot be captured in a CUDA graph (None: it can): graphs not switched
-        off in this run (a replay differed from its eager step); every layer on one device (a graph captures one
-        device's stream: under a device map the layers' launches go to several); every layer running the fused
-        kernel (static shapes, the tail length on the device) with no row on the per-row path (its tail is sliced at
-        the host's length), on CUDA."""
-        if not self.fast_paths.on("graph"):
-            return f"graphs are off in this run ({self.fast_paths.off['graph']} differed from its eager step)"
-        devices = list(dict.fromkeys(layer.tail_keys.device for layer in self.layers))
-        if len(devices) > 1:
-            return f"the layers span {len(devices)} devices ({', '.join(map(str, devices))})"
-        for layer in self.layers:
-            if layer.backend != "triton":
-                return f"layer on the {layer.backend} backend (graphs need the fused CUDA kernel)"
-            if not layer.kernel_writes_tail:
-                return "rows on the per-row path or out of order (their tail is written at the host-side length)"
-            if not layer.tail_keys.is_cuda:
-                return "the batch is not on a CUDA device"
-        return None
-
-    def advance(self, n: int) -> None:
-        """A replayed step wrote ``n`` tokens on the device: advance the host-side lengths to match."""
-        for layer in self.layers:
-            layer.length += n
-
-    def rewind(self, n: int) -> None:
-        """Undo a step of ``n`` tokens the fused kernels wrote (host and device lengths), so the same step can run
-        again over the same tail slots (a replay checked against an eager step, :mod:`~.fastpaths`)."""
-        for layer in self.layers:
-            layer.length -= n
-            layer.length_t.sub_(n)
-
-    def host_lengths(self) -> list[int]:
-        return [layer.length for layer in self.layers]
-
-    def set_host_lengths(self, lengths: list[int]) -> None:
-        for layer, n in zip(self.layers, lengths):
-            layer.length = n
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Decode attention of layer ``layer_idx`` (called by :mod:`spark_bench.engine.attention`)."""
