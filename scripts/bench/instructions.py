@@ -76,9 +76,11 @@ def ctas_per_sm(registers: int, warps: int, shared: int, device: Device) -> int:
     return max(0, min(by_regs, by_smem, device.warps_per_sm // warps, device.ctas_per_sm))
 
 
-def kernel_figures(launch: Launch, arch: int) -> dict:
-    """Registers, spills, occupancy and the loops' static instruction counts of one launched specialisation."""
-    c = compile_launch(launch, arch, sass=True)
+def kernel_figures(launch: Launch, arch: int, compiled=None) -> dict:
+    """Registers, spills, occupancy and the loops' static instruction counts of one launched specialisation
+    (``compiled``: its :func:`compile_launch` with SASS, when the caller has it; each loop's ``span``: its first and
+    last instruction's index, for ``scripts/bench/latency_model.py``)."""
+    c = compiled if compiled is not None else compile_launch(launch, arch, sass=True)
     labels: dict = {}
     instructions, loops = parse_sass(c.sass, labels)
 
@@ -93,7 +95,7 @@ def kernel_figures(launch: Launch, arch: int) -> dict:
                 # of the enclosing loop's own instructions, those that run only when this loop runs (skipped with
                 # it when it has no trip to make); the rest of a loop's own instructions run every iteration
                 "guard": len(guarded(instructions, labels, outer, loop)) if outer is not None else 0,
-                "common": len(own) - sum(x["guard"] for x in inner), "inner": inner}
+                "common": len(own) - sum(x["guard"] for x in inner), "inner": inner, "span": [loop.start, loop.end]}
 
     in_loops = sum(loop.end - loop.start + 1 for loop in loops)
     return {"kernel": launch.kernel, "arch": arch, "kinds": [k for i, k in enumerate(KINDS) if launch.kinds >> i & 1],
@@ -163,8 +165,8 @@ def work_items(model, configs, prompt: int, members: int, layer: int = 0) -> lis
     ``chunk_of(tokens)``-token chunks, each chunk's heads sorted by their kind in it (a structured store's chunks
     holding recent tokens read it as ``bare``) in batches of ``members``; per item (chunks alike merged: ``tokens``
     over ``programs`` chunks of ``chunk``) its members' kinds, their member loops' inner trips per block (the signed
-    walk's) and key bytes per token (each config's stores) and the values' bytes per token (read once for the
-    batch)."""
+    walk's) and key bytes per token (each config's stores), whether they carry AdaKV validity bits (``valid``), and
+    the values' bytes per token (read once for the batch)."""
     from spark_bench.memory import Arch, store_bytes, stored_tokens
     from spark_bench.storage.segments import FusedTables
 
@@ -174,7 +176,7 @@ def work_items(model, configs, prompt: int, members: int, layer: int = 0) -> lis
         t = stored_tokens(cfg, arch, prompt)[layer]
         sb = store_bytes(cfg, arch, model.dtype)
         groups.setdefault(eviction_key(cfg), (t, sb.value_per_token, []))[2].append(
-            (*member_kind(cfg, arch, model.dtype), sb.key_per_token))
+            (*member_kind(cfg, arch, model.dtype), (sb.key_per_token, cfg.name.startswith("ada"))))
     merged: dict = {}
     for t, value_bytes, keys in groups.values():
         chunk = FusedTables.chunk_of(t)
@@ -188,8 +190,9 @@ def work_items(model, configs, prompt: int, members: int, layer: int = 0) -> lis
                 item = merged.setdefault((batch, t1 - t0, value_bytes), {
                     "members": len(batch), "kinds": [k for k, _, _ in batch], "trips": [n for _, n, _ in batch],
                     "tokens": 0, "chunk": t1 - t0, "programs": 0, "heads": arch.num_kv_heads,
-                    "bytes_per_token": value_bytes + sum(b for _, _, b in batch),
-                    "key_bytes_per_token": [b for _, _, b in batch], "value_bytes_per_token": value_bytes})
+                    "bytes_per_token": value_bytes + sum(b for _, _, (b, _) in batch),
+                    "key_bytes_per_token": [b for _, _, (b, _) in batch],
+                    "valid": [v for _, _, (_, v) in batch], "value_bytes_per_token": value_bytes})
                 item["tokens"] += t1 - t0
                 item["programs"] += arch.num_kv_heads
     return list(merged.values())

@@ -138,6 +138,59 @@ def instructions_section(d: dict | None, compiled: list | None = None) -> list[s
     return lines
 
 
+def latency_section(d: dict | None) -> list[str]:
+    """The fused decode's modelled time with its waiting counted (``scripts/bench/latency_model.py``), per version,
+    arch, GQA and scenario, at both ends of the DRAM-latency range, against issue 52's goals."""
+    if not d:
+        return []
+    goals = d.get("goals", {})
+    lines = ["", "## The fused decode with its waiting counted (`scripts/bench/latency_model.py`)", "",
+             "One warp run through each launched specialisation's SASS (D=128, bf16, q_len=1), block by block as "
+             "each work item runs it; per block on an SM max(bytes ÷ its share of the bandwidth, issue, latency "
+             "chain ÷ resident CTAs); the DRAM latency at both ends of its range (model and parameters: docs/gpu.md, "
+             "\"How long a block waits\"). Instructions per byte count everything the partials kernel executes "
+             "(loop only in brackets). Round trips: DRAM waits of one block of the scenario's largest work item "
+             "(dependent: its data went into a later load's address). In flight: bytes outstanding per SM from the "
+             f"schedule (Little's law; goal ≥ {goals.get('in_flight_per_sm', 0) // 1024} KB). Layer: with the merge "
+             "kernel. Grid: with only the SMs and CTAs the launch's programs fill.", "",
+             "| version | arch | GQA | scenario | regs / spills, CTAs/SM | instr/B (loop) | DRAM round trips / block "
+             "(dependent) | in flight/SM | fraction of bound (limit) | goal | layer | grid |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    wanted = goals.get("fraction_of_bound", {})
+    for label in ("before", "after"):
+        r = d.get(label)
+        if not r:
+            continue
+        ends = [f"{x * 1e6:g}us" for x in r["model"]["latencies_s"]]
+        for arch, by_gqa in r["scenarios"].items():
+            for gqa, rows in by_gqa.items():
+                for name, row in rows.items():
+                    at = [row[e] for e in ends]
+                    p = [x["partials"] for x in at]
+                    block = p[0]["blocks"][p[0]["heaviest"]]
+                    goal = wanted.get(name)
+                    ok = goal is not None and all(x["fraction_of_bound"] >= goal for x in p)
+                    flight = all(x["in_flight_per_sm"] >= goals.get("in_flight_per_sm", 0) for x in p)
+                    lines.append(
+                        f"| {label} | {arch} | {gqa.removeprefix('gqa')} | {name} | {row['registers']} / "
+                        f"{row['spill_bytes']}, {row['ctas_per_sm']} | {p[0]['instr_per_byte']:.3f} "
+                        f"({p[0]['instr_per_byte_loop']:.3f}) | {block['dram_round_trips']} "
+                        f"({block['dependent_round_trips']}) | "
+                        + " / ".join(f"{x['in_flight_per_sm'] / 1024:.1f}" for x in p) + f" KB ({verdict(flight)}) | "
+                        + " / ".join(f"{x['fraction_of_bound']:.0%}" for x in p) + f" ({p[-1]['limited_by']}) | "
+                        + (f"≥ {goal:.0%} ({verdict(ok)})" if goal is not None else "–") + " | "
+                        + " / ".join(f"{x['layer_fraction_of_bound']:.0%}" for x in at) + " | "
+                        + " / ".join(f"{x['grid']['fraction_of_bound']:.0%}" for x in at) + " |")
+        for arch, by_gqa in r.get("spark_over_dense_32k", {}).items():
+            for gqa, ratio in by_gqa.items():
+                limit = goals.get("spark_over_dense_32k", 0.4)
+                lines.append(f"- {label}, {arch}, GQA {gqa.removeprefix('gqa')}: a SparK(0.8) row (20% of a 32K "
+                             "prompt) takes " + " / ".join(f"{v:.2f}" for v in ratio.values()) + "× a dense 32K row's "
+                             f"modelled layer time at {' / '.join(ratio)} (goal ≤ {limit}, "
+                             f"{verdict(all(v <= limit for v in ratio.values()))})")
+    return lines
+
+
 def main() -> None:
     lines = ["# spark-bench benchmarks", ""]
     b = load("bytes")
@@ -217,6 +270,7 @@ def main() -> None:
                          f"{w['bytes_loaded'] / 2**20:.1f} MiB ({w['stored_bytes'] / 2**20:.1f} MiB) | {ratio:.3f} "
                          f"({verdict(ratio <= 1.1)}) | {w['old_score_traffic_bytes'] / 2**20:.1f} MiB |")
     lines += instructions_section(load("instructions"), load("compile"))
+    lines += latency_section(load("latency_model"))
     pp = load("planner_peaks")
     if pp:
         lines += ["", "## Planner peaks on 80 GB GPUs (79 GiB given; `scripts/bench/planner_peaks.py`)", "",
