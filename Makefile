@@ -35,14 +35,19 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# The declared ranges are the tested ranges (scripts/compat.py): a second venv, .venv-compat, built from the index as
-# `pip install 'spark-bench[kvpress]'` resolves it (the lock is not used) over pyproject's lowest torch; the library,
-# engine, methods, kvpress and own-method tests under pyproject's lowest transformers, then under the one kvpress'
-# latest release resolves to. `make demo` / `make test` keep the lock (.venv).
+# The declared ranges are the tested ranges (scripts/compat.py, docs/development.md#tested-versions): two venvs built
+# from the index as `pip install 'spark-bench[kvpress]'` resolves it (the lock is not used), .venv-compat-lowest over
+# pyproject's lowest torch (the triton it pins) and lowest transformers, .venv-compat-newest over the index's newest
+# torch and the transformers kvpress resolves beside it; in each, the library, engine, methods, kvpress and own-method
+# tests and the fused kernel's (under that triton's interpreter, and compiled for sm_80/sm_90). torch's wheels are
+# downloaded once into COMPAT_WHEELS (shared with scripts/gpu/ci_node.sh). `make demo` / `make test` keep the lock.
 COMPAT_TESTS = tests/test_library.py tests/test_engine.py tests/test_methods.py tests/test_kvpress.py \
 	tests/test_external_method.py tests/test_docs.py::test_the_kvpress_snippet_runs
+TRITON_TESTS = tests/test_fused_decode.py tests/test_stacking.py tests/test_fast_paths.py \
+	tests/test_gpu_compile.py::test_kernel_compiles_for_the_gpu_as_launched
+COMPAT_WHEELS ?= $(HOME)/.cache/spark-bench/wheels
 test-compat:
-	$(PY) scripts/compat.py --venv .venv-compat $(COMPAT_TESTS)
+	$(PY) scripts/compat.py --venv .venv-compat --wheels $(COMPAT_WHEELS) $(COMPAT_TESTS) $(TRITON_TESTS)
 
 # On a CUDA machine: the model-level tests (method matrix, batched decoding, engine, compact attention) with the tiny
 # model and its caches on the GPU (tests/conftest.py reads SPARK_BENCH_TEST_DEVICE)
@@ -73,6 +78,7 @@ node: node-install
 bench: $(STAMP)
 	$(BIN)/python scripts/bench/compile.py
 	$(BIN)/python scripts/bench/instructions.py --label after
+	$(BIN)/python scripts/bench/latency_model.py --label after
 	$(BIN)/python scripts/bench/member_layouts.py
 	$(BIN)/python scripts/bench/fused.py
 	$(BIN)/python scripts/bench/planner_peaks.py --label after
@@ -159,4 +165,4 @@ protocols: $(STAMP)
 	if [ "$(DRY_RUN)" != true ]; then $(BIN)/python scripts/protocol_shifts.py results/protocols --out results/protocols/report/shifts.md; fi
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) .venv-compat-lowest .venv-compat-newest *.egg-info

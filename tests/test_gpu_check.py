@@ -5,6 +5,7 @@ run; without a CUDA device `make gpu-check` / `make test-gpu` stop at once in on
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -31,7 +32,9 @@ def load_check():
 
 def test_cpu_smoke_runs_every_section(tmp_path):
     """The script as `make gpu-check` runs it, at tiny shapes on the CPU: exit 0, every section ok, the fused
-    (CUDA) kernel serving every row and agreeing with the reference path, the ratios and the planner's peak there."""
+    (CUDA) kernel serving every row and agreeing with the reference path, the ratios and the planner's peak there;
+    every member kind of the fused kernel, the signed walk included, at head_dim 32 and 128 (issue 52); the triton
+    it runs under named, nothing disabled (issue 55)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--out", str(tmp_path)],
@@ -57,6 +60,11 @@ def test_cpu_smoke_runs_every_section(tmp_path):
         memory = sections[f"{workload}.memory"]
         assert memory["predicted_bytes"] > 0 and memory["measured_bytes"] > 0
     assert sections["table1_mix.memory"]["rows"] == 10  # Table 1's methods at KV 128, ratio 0.5 (the smoke's mix)
+    for d in check.KIND_HEAD_DIMS:  # every member loop of the fused kernel, the signed walk at both ends of its words
+        kinds = sections["member_kinds"][f"head_dim_{d}"]
+        assert kinds["kinds"] == ["dense", "structured", "bare", "plain", "signed"] and kinds["walk"], kinds
+        assert kinds["fused_rows"] == len(check.KIND_ROWS) and kinds["error_vs_reference"] <= kinds["tolerance"]
+    assert data["triton"]["disabled"] == [] and data["triton"]["version"]
     assert sections["table1_mix.tokens"]["tokens_equal_decode_batch_1"]
     assert sections["table1_mix.tokens"]["graph_tokens_equal_eager"]
     assert [r["tokens"] for r in sections["calibration"]["rows"]] == [check.TINY.mix_prompt,
@@ -100,6 +108,19 @@ def test_peak_bandwidth_by_device_name():
     assert check.peak_bandwidth("NVIDIA A100-SXM4-80GB") == (2.0e12, "A100 80GB")
     peak, what = check.peak_bandwidth("NVIDIA GH200 480GB")  # not the H200: no published figure in the table
     assert peak is None and what.startswith("unknown")
+
+
+def test_the_latency_models_prediction_goes_beside_the_measured_layer():
+    """The first GPU run calibrates the model (docs/gpu.md): every workload the check times on a known device has
+    the model's figures for both sides, keyed by the same device names as the bandwidth table."""
+    check = load_check()
+    for device in ("H100 SXM", "A100 80GB"):
+        for workload in check.WORKLOADS:
+            predicted = check.model_prediction(device, workload)
+            assert predicted["latencies_s"] == [5e-7, 7e-7], predicted
+            assert set(predicted) >= {"compressed", "dense"} and predicted["compressed"] and predicted["dense"]
+    assert check.model_prediction("none (CPU smoke)", "table1_mix") is None
+    assert check.model_prediction("H100 SXM", "no_such_workload") is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
@@ -198,11 +219,11 @@ def test_node_install_refuses_in_one_line_before_writing(tmp_path):
     venv = tmp_path / "venv"
     done = _node_install(tmp_path, venv)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no wheelhouse.json" in done.stderr
-    (tmp_path / "wheelhouse.json").write_text(json.dumps({"python": "2.7"}))
+    (tmp_path / "wheelhouse.json").write_text(json.dumps({"python": "2.7", "wheels": []}))
     done = _node_install(tmp_path, venv)
     assert done.returncode == 2 and "holds wheels for Python 2.7" in done.stderr and not venv.exists()
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
-    (tmp_path / "wheelhouse.json").write_text(json.dumps({"python": here}))
+    (tmp_path / "wheelhouse.json").write_text(json.dumps({"python": here, "wheels": []}))
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     purelib = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; "
                                    "print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True,
@@ -225,3 +246,103 @@ def test_a_fused_layer_off_its_reference_fails_with_its_figures(tmp_path, monkey
     assert section["error"].startswith("SectionFailed: the fused kernel is not what ran or differs from the "
                                        "reference path: compressed: error ")
     assert section["compressed"]["seconds"] > 0 and section["dense"]["error_vs_reference"] >= 0
+
+
+WHEELHOUSE = ROOT / "scripts" / "gpu" / "wheelhouse.py"
+
+
+def _wheelhouse(*args: str):
+    return subprocess.run([sys.executable, str(WHEELHOUSE), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+
+
+def _one_line(done, code: int, start: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == code and lines and lines[-1].startswith(start), (done.returncode, done.stderr[-2000:])
+
+
+def test_wheelhouse_checks_its_inputs_first_and_leaves_nothing_half_built(tmp_path):
+    """`make wheelhouse` (issue 56): a --find-links that is not there, an --out that is a file or a directory of other
+    files, each one line, exit 2, nothing written; a resolution pip cannot make, or a package that would force a
+    torch newer than pyproject.toml's lowest onto the node (55), one line, exit 1 — and no wheelhouse, whole or
+    half, left behind (the wheels are gathered beside --out and moved there at the end)."""
+    links, out = tmp_path / "links", tmp_path / "house"
+    links.mkdir()
+    _tiny_wheel(links, "tiny-app", "1.0", ("tiny-dep>=2",))
+    _tiny_wheel(links, "tiny-dep", "1.0")  # older than tiny-app asks for: no resolution
+    _tiny_wheel(links, "forcing-app", "1.0", ("torch>=2.10",))  # the node may have 2.6
+    _tiny_wheel(links, "torch", "2.13.0")  # (the lock's torch, for the resolver)
+    _one_line(_wheelhouse("--out", str(out), "--find-links", str(tmp_path / "nowhere"), "--requirement", "tiny-app"),
+              2, f"wheelhouse: --find-links {tmp_path / 'nowhere'}: no such directory")
+    (tmp_path / "file").write_text("x")
+    _one_line(_wheelhouse("--out", str(tmp_path / "file"), "--find-links", str(links), "--requirement", "tiny-app"),
+              2, f"wheelhouse: --out {tmp_path / 'file'}: a file, not a directory")
+    _one_line(_wheelhouse("--out", str(links), "--find-links", str(links), "--requirement", "tiny-app"),
+              2, f"wheelhouse: --out {links}: holds files and is no wheelhouse")
+    assert not out.exists()
+    _one_line(_wheelhouse("--out", str(out), "--find-links", str(links), "--requirement", "tiny-app"), 1,
+              "wheelhouse: pip failed (its output above says why)")
+    _one_line(_wheelhouse("--out", str(out), "--find-links", str(links), "--requirement", "forcing-app"), 1,
+              "wheelhouse: 1 package(s) would force a torch newer than the lowest pyproject.toml declares")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "links"]  # no wheelhouse, no staging directory
+
+
+def test_node_install_refuses_a_damaged_wheelhouse_and_removes_a_venv_it_began(tmp_path):
+    """`make node-install` (issue 56): a wheelhouse.json that does not parse, or one listing wheels the directory lacks,
+    is refused in one line, exit 2, before a venv exists; an install that fails after the venv was made (a
+    wheelhouse without the project's wheels) ends in one line, exit 1, and the venv it began is removed."""
+    venv = tmp_path / "venv"
+    (tmp_path / "wheelhouse.json").write_text('{"python": "3.')
+    _one_line(_node_install(tmp_path, venv), 2, f"node-install: --wheelhouse {tmp_path}: wheelhouse.json is damaged")
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    (tmp_path / "wheelhouse.json").write_text(json.dumps({"python": here, "wheels": ["gone-1.0-py3-none-any.whl"]}))
+    _one_line(_node_install(tmp_path, venv), 2, f"node-install: --wheelhouse {tmp_path}: damaged: 1 of the 1 wheels")
+    assert not venv.exists()
+    (tmp_path / "wheelhouse.json").write_text(json.dumps({"python": here, "wheels": []}))
+    done = _node_install(tmp_path, venv)
+    assert done.returncode == 1 and "node-install: failed (exit 1): " in done.stderr, done.stderr[-2000:]
+    assert f"node-install: removed the half-built {venv}" in done.stderr and not venv.exists()
+
+
+def test_the_script_steps_last_resort_is_one_line_with_the_traceback_in_a_file(tmp_path, capsys, monkeypatch):
+    """scripts/gpu/last_resort.py (wheelhouse, node-install, test-compat): an unexpected exception is one line —
+    ``<tool>: internal error: <Type>: <message>; full traceback in <file>`` — exit 1, the traceback in that file
+    (and on stderr with -v); a refusal stays exit 2; both run the step's clean-up."""
+    spec = importlib.util.spec_from_file_location("last_resort", ROOT / "scripts" / "gpu" / "last_resort.py")
+    last = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(last)
+    cleaned = []
+
+    def broken():
+        raise KeyError("forced by the test")
+
+    monkeypatch.setattr(sys, "argv", ["wheelhouse.py", "--out", "x"])
+    with pytest.raises(SystemExit) as exit_:
+        last.guarded("wheelhouse", broken, cleanup=lambda: cleaned.append(1))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 1 and cleaned == [1] and len(err) == 1
+    found = re.fullmatch(r"wheelhouse: internal error: KeyError: 'forced by the test'; full traceback in (\S+)", err[0])
+    assert found and "raise KeyError" in Path(found.group(1)).read_text()
+    monkeypatch.setattr(sys, "argv", ["wheelhouse.py", "-v"])
+    with pytest.raises(SystemExit):
+        last.guarded("wheelhouse", broken)
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        last.guarded("wheelhouse", lambda: last.refuse("wheelhouse", "--out x: a file"),
+                     cleanup=lambda: cleaned.append(2))
+    assert exit_.value.code == 2 and cleaned == [1, 2] and capsys.readouterr().err == "wheelhouse: --out x: a file\n"
+
+
+def test_node_install_pins_the_node_torch_by_its_distribution_version(monkeypatch):
+    """A PyPI CUDA build of torch 2.6 says ``2.6.0+cu124`` as ``torch.__version__`` but ``2.6.0`` in its metadata:
+    the constraints pin what pip compares (``torch==2.6.0``), else pip finds the installed torch unfit and, with no
+    index, cannot resolve (issue 55: ci_node.sh over a torch-2.6 site)."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "gpu"))
+    spec = importlib.util.spec_from_file_location("node_install", NODE_INSTALL)
+    node_install = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(node_install)
+    node = {"torch": {"version": "2.6.0+cu124", "file": "/site/torch/__init__.py", "dist": "2.6.0"},
+            "triton": {"version": "3.2.0", "file": "/site/triton/__init__.py", "dist": "3.2.0"}}
+    pins = node_install.constraints(ROOT / "requirements.lock", node).splitlines()
+    assert [p for p in pins if p.split("==")[0] in ("torch", "triton")] == ["torch==2.6.0", "triton==3.2.0"]
+    assert len(pins) == len([x for x in (ROOT / "requirements.lock").read_text().splitlines() if x.strip()])

@@ -15,7 +15,11 @@ The model is Llama-3-8B-shaped (32 layers, hidden 4096, 32 query / 8 kv heads of
   (``full``: the prompt's whole KV, one distinct prompt per row) — both eager, and both replayed from a CUDA graph
   (:class:`~spark_bench.engine.decode.StepGraph`), each timed with CUDA events after warm-up steps (kernels
   compiled, tables built, graph captured before timing);
-* ``table1_mix.tokens``: the batched tokens against ``decode_batch=1`` and against eager steps.
+* ``table1_mix.tokens``: the batched tokens against ``decode_batch=1`` and against eager steps;
+* ``member_kinds``: one row of every member loop of the fused kernel (dense, structured, bare, plain and signed keys,
+  the signed ones walked) at head_dim 32 and 128, layer 0's output against the per-row reference.
+
+It starts by naming the Triton it runs under and what that changes or disables (``triton`` in check.json).
 
 Each section writes check.json as soon as it ends; a failing section records its error (and traceback) and the
 rest still run; the exit status is 1 when any section failed. With two GPUs, ``two_devices``: a tiny Llama split
@@ -40,6 +44,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +64,7 @@ from spark_bench.engine.fastpaths import FastPaths  # noqa: E402
 from spark_bench.engine.attention import compressed_attention_enabled  # noqa: E402
 from spark_bench.engine.cache import BatchedCache, BatchedLayer  # noqa: E402
 from spark_bench.engine.decode import DecodeRow, StepGraph, decode_rows  # noqa: E402
+from spark_bench.storage.segments import KINDS  # noqa: E402
 
 # Published peak memory bandwidth (bytes/s) by the name torch.cuda.get_device_name gives; first match wins.
 PEAK_BANDWIDTH = [
@@ -315,16 +321,18 @@ def _layer_bytes(rows: list, length: int) -> int:
     return total + 2 * len(rows) * b * h * length * d * rows[0].value_store.dtype.itemsize
 
 
-def _fused_layer(bench: Bench, ctxs: list) -> dict:
+def _fused_layer(bench: Bench, ctxs: list, heads: int | None = None) -> dict:
     """Layer 0 of the rows as one :class:`BatchedLayer`: each timed call is one ``update`` (the step's own key and
-    value) and one ``attend``, as a decode step calls them; first, one call against the reference path."""
+    value) and one ``attend``, as a decode step calls them; first, one call against the reference path. ``heads``:
+    the rows' query heads (default: the bench model's). Also which member loops of the fused kernel its tables hold
+    (``kinds``, :data:`~spark_bench.storage.segments.KINDS`) and whether the signed ones were walked (``walk``)."""
     scale = bench.scale
     rows = [c.cache.layers[0] for c in ctxs]
     capacity = 2 + scale.warm + scale.repeats
     layer = BatchedLayer(rows, capacity, fast_paths=bench.checks)
     reference = BatchedLayer(rows, capacity, mode="materialize", fast_paths=bench.checks)
     b, h, _, d = rows[0].value_store.shape
-    hq, n = bench.scale.shape["num_attention_heads"], len(rows) * b
+    hq, n = heads or bench.scale.shape["num_attention_heads"], len(rows) * b
     g = torch.Generator(device=bench.device).manual_seed(1)
     keys, values, query = (torch.randn(n, k, 1, d, generator=g, device=bench.device, dtype=bench.dtype)
                            for k in (h, h, hq))
@@ -343,10 +351,62 @@ def _fused_layer(bench: Bench, ctxs: list) -> dict:
     length = 1 + scale.warm + (scale.repeats + 1) // 2  # the tail at the median call
     nbytes = _layer_bytes(rows, length)
     peak = bench.peak[0]
+    tables = [t for unit in getattr(layer, "units", []) for t in unit.get("tables", {}).values()]
+    held = 0
+    for t in tables:
+        held |= t.kinds
     return {"rows": len(rows), "backend": layer.backend, "fused_rows": len(layer.stacked),
             "loose_rows": len(layer.loose), "bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds,
             "fraction_of_peak": nbytes / seconds / peak if peak else None, "error_vs_reference": error,
-            "tolerance": TOLERANCE[bench.dtype]}
+            "tolerance": TOLERANCE[bench.dtype], "kinds": [k for i, k in enumerate(KINDS) if held >> i & 1],
+            "walk": any(getattr(t, "walk_tab", None) is not None for t in tables)}
+
+
+# One row of each member loop of the fused kernel (storage/segments.py KINDS), the signed walk included, at a head_dim
+# of one 32-bit mask word and at the production's (four words): the walk's two ends
+KIND_ROWS = ({"name": "snapkv"},                                           # dense keys
+             {"name": "snapkv+think", "ratio": 0.5},                       # structured keys (ThinK's channels)
+             {"name": "snapkv+spark", "ratio": 0.5, "recovery": "zero"},   # pruned entries read as 0
+             {"name": "snapkv+spark", "ratio": 0.5, "saliency": "paper"},  # a recovery without signs
+             {"name": "snapkv+spark", "ratio": 0.8},                       # the official recovery: signs, walked
+             {"name": "adasnapkv+spark", "ratio": 0.5})                    # AdaKV's validity bits on a walked row
+KIND_HEAD_DIMS = (32, 128)
+
+
+def member_kinds(bench: Bench) -> dict:
+    """For each head_dim of :data:`KIND_HEAD_DIMS`, a one-layer model of the bench's heads (random weights, seeded)
+    compresses one prompt under :data:`KIND_ROWS`; layer 0's fused attention of the rows (:func:`_fused_layer`) holds
+    every member kind, walks the signed rows, and agrees with the per-row reference."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    s, out, wrong = bench.scale.shape, {}, []
+    tokens = bench.scale.mix_prompt * 2
+    budget = max(8, tokens // 4)
+    for d in KIND_HEAD_DIMS:
+        config = AutoConfig.for_model("llama", hidden_size=s["num_attention_heads"] * d, head_dim=d,
+                                      intermediate_size=2 * d, num_hidden_layers=1,
+                                      num_attention_heads=s["num_attention_heads"],
+                                      num_key_value_heads=s["num_key_value_heads"], vocab_size=1024,
+                                      max_position_embeddings=4096, rope_theta=500000.0)
+        with torch.random.fork_rng(devices=[bench.device] if bench.device.type == "cuda" else []), \
+                torch.device(bench.device):
+            torch.manual_seed(d)
+            model = AutoModelForCausalLM.from_config(config, dtype=bench.dtype).eval()
+        ids = torch.randint(100, 1024, (tokens,), generator=bench.generator).tolist()
+        configs = [spark_bench.method(**row, budget=budget, **bench.scale.options) for row in KIND_ROWS]
+        result = _fused_layer(bench, spark_bench.compress(model, ids, configs), s["num_attention_heads"])
+        out[f"head_dim_{d}"] = result
+        missing = [k for k in KINDS if k not in result["kinds"]]
+        if result["backend"] != "triton" or result["loose_rows"] or missing or not result["walk"] \
+                or not result["error_vs_reference"] <= result["tolerance"]:
+            wrong.append(f"head_dim {d}: backend {result['backend']}, {result['loose_rows']} loose rows, kinds "
+                         f"missing {missing or 'none'}, walk {'taken' if result['walk'] else 'not taken'}, error "
+                         f"{result['error_vs_reference']:.2e} (tolerance {result['tolerance']:.1e})")
+        del model
+    if wrong:
+        raise SectionFailed("not every member kind ran the fused kernel and agreed with the reference: "
+                            + "; ".join(wrong), out)
+    return {"rows": [dict(r) for r in KIND_ROWS], "prompt": tokens, "budget": budget, **out}
 
 
 def _compressed_and_dense(bench: Bench, workload: str, measure) -> tuple[int, dict, dict]:
@@ -359,10 +419,31 @@ def _compressed_and_dense(bench: Bench, workload: str, measure) -> tuple[int, di
     return len(ctxs), compressed, dense
 
 
+LATENCY_MODEL = Path(__file__).resolve().parents[2] / "results" / "bench" / "latency_model.json"
+
+
+def model_prediction(device: str, workload: str) -> dict | None:
+    """What scripts/bench/latency_model.py predicts for ``workload``'s fused layer on ``device`` (its ``check``
+    section, keyed by the peak-bandwidth table's device name): ``latencies_s`` and the ``compressed`` / ``dense``
+    figures; None for a device or workload it has no figures for. A single 32K row launches fewer programs than
+    the GPU has SMs: compare it with the model's ``grid_fraction_of_bound``."""
+    if not LATENCY_MODEL.is_file():
+        return None
+    devices = json.loads(LATENCY_MODEL.read_text()).get("check", {}).get("devices", {})
+    found = devices.get(device)
+    if found is None or workload not in found.get("workloads", {}):
+        return None
+    return {"latencies_s": found["latencies_s"], **found["workloads"][workload]}
+
+
 def fused_layer(bench: Bench, workload: str) -> dict:
     _, compressed, dense = _compressed_and_dense(bench, workload, _fused_layer)
     out = {"timed_by": bench.timer.how, "peak_bandwidth": bench.peak[1], "compressed": compressed, "dense": dense,
            "kv_bytes_ratio": compressed["bytes"] / dense["bytes"]}
+    predicted = model_prediction(bench.peak[1], workload)
+    if predicted is not None:  # the latency model's prediction beside the measured figure (docs/gpu.md)
+        for side in ("compressed", "dense"):
+            out[side]["model"] = {"latencies_s": predicted["latencies_s"], **predicted[side]}
     wrong = [f"{kind}: " + (f"{r['loose_rows']} of {r['rows']} rows not on the fused kernel ({r['backend']})"
                             if r["backend"] != "triton" or r["loose_rows"] else
                             f"error {r['error_vs_reference']:.2e} of the output's scale > {r['tolerance']:.1e}")
@@ -478,13 +559,27 @@ def two_devices(bench: Bench) -> dict:
     return {"layers": layers, "tokens_equal_one_device": one == two}
 
 
+def triton_state() -> dict:
+    """The Triton the fused kernels run under: its version, what differs from the kernels as tuned (for 3.9:
+    :data:`~spark_bench.storage.triton_decode.TRITON_NOTES`) and what it disables (nothing from 3.2, torch 2.6's, on:
+    docs/development.md#tested-versions); without an importable triton, the CUDA path itself."""
+    try:
+        from spark_bench.storage import triton_decode
+    except Exception as exc:  # noqa: BLE001 — no (usable) triton: the fused kernel is what it disables
+        return {"version": "none", "notes": [f"{type(exc).__name__}: {exc}"],
+                "disabled": ["the fused CUDA kernel (compact rows attend by rebuilt keys)"]}
+    import triton
+
+    return {"version": triton.__version__, "notes": list(triton_decode.TRITON_NOTES), "disabled": []}
+
+
 WORKLOADS = ("table1_mix", "row_32k", "row_127.5k")
 SECTIONS = {"memory": memory, "fused_layer": fused_layer, "steps": steps}
 
 
 def section_names() -> list[str]:
     names = [f"{w}.{s}" for w in WORKLOADS for s in SECTIONS]  # steps last: it drops the workload's contexts
-    return names[:2] + ["table1_mix.tokens"] + names[2:] + ["calibration", "two_devices"]
+    return names[:2] + ["table1_mix.tokens"] + names[2:] + ["member_kinds", "calibration", "two_devices"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -502,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     device = torch.device(args.device)
+    if device.type == "cpu":  # the interpreter's numpy warns at masked-off lanes (√μ at μ = 0, selected away)
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu-check: no CUDA device (torch.cuda.is_available() is False); `--device cpu --smoke` runs the "
               "CPU smoke", file=sys.stderr)
@@ -509,9 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     scale = TINY if args.smoke else FULL
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_bandwidth(name) if device.type == "cuda" else (None, "none (CPU smoke)")
+    triton = triton_state()
+    print(f"gpu-check: triton {triton['version']}: {'; '.join(triton['notes']) or 'the fused kernels as tuned'}"
+          f" (disabled: {', '.join(triton['disabled']) or 'nothing'})", flush=True)
     report = Report(Path(args.out), {
         "device": name, "mode": "CPU smoke (tiny shapes; timings are not figures)" if device.type == "cpu"
-        else "GPU", "torch": torch.__version__, "shape": scale.shape, "dtype": "bfloat16",
+        else "GPU", "torch": torch.__version__, "triton": triton, "shape": scale.shape, "dtype": "bfloat16",
         "peak_bandwidth_bytes_per_s": peak[0], "peak_bandwidth": peak[1]})
     with cuda_path_on_cpu(device):
         bench = Bench(device, scale, torch.bfloat16)
@@ -520,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if section == "calibration":
                 report.run(section, calibration, bench, report)
+            elif section == "member_kinds":
+                report.run(section, member_kinds, bench)
             elif section == "two_devices":
                 if device.type == "cuda" and torch.cuda.device_count() >= 2:
                     report.run(section, two_devices, bench)

@@ -103,7 +103,9 @@ def _arguments(launch: Launch):
 
 
 def bind(launch: Launch, arch: int):
-    """The ``ASTSource`` and options Triton's launcher makes for ``launch`` on ``sm_<arch>``."""
+    """The ``ASTSource`` and options Triton's launcher makes for ``launch`` on ``sm_<arch>`` (the steps of
+    ``JITFunction.run`` before its compile: the Tritons with ``_pack_args`` (3.5 on) pack them there; Triton 3.2,
+    torch 2.6's, derives the signature, the constants and an ``AttrsDescriptor`` from the bound arguments itself)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -111,9 +113,23 @@ def bind(launch: Launch, arch: int):
     kernel, args, kwargs = _arguments(launch)
     backend = make_backend(GPUTarget("cuda", arch, 32))
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialisation, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, specialisation, options)
-    return ASTSource(kernel, signature, constexprs, attrs), options
+    if hasattr(kernel, "_pack_args"):
+        bound, specialisation, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, specialisation, options)
+        return ASTSource(kernel, signature, constexprs, attrs), options
+    bound = binder(*args, **kwargs)
+    if len(bound) != 5:
+        import triton
+
+        raise RuntimeError(f"the ahead-of-time compile does not know how Triton {triton.__version__} binds a launch "
+                           "(it knows 3.2's and that of the Tritons with JITFunction._pack_args, 3.5 on)")
+    values, sig_and_spec = tuple(bound[0].values()), bound[1]  # Triton 3.2
+    names = [p.name for p in kernel.params if not p.is_constexpr]
+    signature = {k: "*i8" if v == "none" else v for k, v in zip(names, sig_and_spec[:len(names)])}
+    attrs = backend.get_attrs_descriptor(kernel.params, values)
+    constant = attrs.get_constants()
+    constants = {p.name: v for v, p in zip(values, kernel.params) if p.is_constexpr or p.num in constant or v is None}
+    return ASTSource(kernel, signature, constants, attrs), backend.parse_options(kwargs)
 
 
 def i32_address_multiplies(llir: str) -> int:
@@ -143,7 +159,6 @@ def compile_launch(launch: Launch, arch: int, sass: bool = False) -> Compiled:
                              capture_output=True, text=True, check=True).stdout
         return Compiled(**json.loads(out.strip().splitlines()[-1]))
     import triton
-    from triton.backends.nvidia.compiler import get_ptxas
 
     start = time.perf_counter()
     source, options = bind(launch, arch)
@@ -153,7 +168,7 @@ def compile_launch(launch: Launch, arch: int, sass: bool = False) -> Compiled:
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
         gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-        report = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", ptx, "-o", "/dev/null"],
+        report = subprocess.run([_ptxas(arch), "-v", f"--gpu-name={gpu}", ptx, "-o", "/dev/null"],
                                 capture_output=True, text=True, check=True).stderr
         text = ""
         if sass:
@@ -164,10 +179,23 @@ def compile_launch(launch: Launch, arch: int, sass: bool = False) -> Compiled:
                                   check=True).stdout
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    constants = {source.fn.arg_names[k[0]]: v for k, v in source.constants.items()}
+    constants = {k if isinstance(k, str) else source.fn.arg_names[k[0]]: v for k, v in source.constants.items()}
     return Compiled(launch.kernel, arch, constants, registers, spills, i32_address_multiplies(compiled.asm["llir"]),
                     round(time.perf_counter() - start, 1), compiled.metadata.shared, options.num_warps,
                     options.num_stages, text)
+
+
+def _ptxas(arch: int) -> str:
+    """The ptxas Triton compiles with: ``get_ptxas(arch)`` (3.9), ``get_ptxas()`` (one for every arch, before), or
+    ``_path_to_binary`` (3.2)."""
+    from triton.backends.nvidia import compiler
+
+    if not hasattr(compiler, "get_ptxas"):
+        return compiler._path_to_binary("ptxas")[0]
+    try:
+        return compiler.get_ptxas(arch).path
+    except TypeError:
+        return compiler.get_ptxas().path
 
 
 def _target(arch: int):

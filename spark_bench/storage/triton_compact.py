@@ -27,23 +27,23 @@ def _segment(seg_ptr, s):
 
 
 @triton.jit
-def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr,
-          D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SIGNS: tl.constexpr = True, RECOVER: tl.constexpr = True,
+def _keys(out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill, b_kept,
+          b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+          BLOCK_T: tl.constexpr, SIGNS: tl.constexpr = True, RECOVER: tl.constexpr = True,
           SECOND: tl.constexpr = False):
     """The keys ``(BLOCK, D_PAD)`` of one query head at tokens ``t`` as two parts: the kept entries at their channels
     (0 elsewhere, the stores' dtype) and, per token, the recovery scale (``f``, ``μ_t`` or ``sqrt(μ_t)``) with the
     pruned entries' signs ``S`` (±1 with signs, 1 without, 0 at kept entries; bfloat16, exact): the rebuilt key is
-    ``k + scale · S ∘ a``. ``a``: its segment's table row (:func:`_segment`, scalars); from token ``split`` on, a
-    second segment of dense keys (ThinK's recent tokens: every channel kept) at ``b_kept`` (its first token
-    ``b_off``), read only with ``SECOND`` (the generic loop's heads: ThinK's, AdaKV's dense rows; a SparK head has
-    one compact segment). Without ``RECOVER`` (a layout whose pruned entries read as 0) only the kept entries are
-    read. Offsets inside a segment are 32-bit (:meth:`~spark_bench.storage.segments.FusedTables.layout` refuses a
-    segment of 2³¹ entries or more).
+    ``k + scale · S ∘ a``. ``out_off … fill``: its segment's table row (:func:`_segment`, scalars, one argument each:
+    Triton 3.2 has no tuples as values); from token ``split`` on, a second segment of dense keys (ThinK's recent
+    tokens: every channel kept) at ``b_kept`` (its first token ``b_off``), read only with ``SECOND`` (the generic
+    loop's heads: ThinK's, AdaKV's dense rows; a SparK head has one compact segment). Without ``RECOVER`` (a layout
+    whose pruned entries read as 0) only the kept entries are read. Offsets inside a segment are 32-bit
+    (:meth:`~spark_bench.storage.segments.FusedTables.layout` refuses a segment of 2³¹ entries or more).
 
     A channel's rank among the token's kept entries comes from the mask read as 32-bit words: ``x = word << (31 − c
     mod 32)`` holds the word's bits up to ``c`` (its top bit: ``c`` kept), so ``rank + kept = popc(x) +`` the kept
     channels of the words before (``POPC``, no scan over the channels)."""
-    out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill = a
     fill = fill.to(tl.int32).to(tl.float32, bitcast=True)
     t_kept = t_kept.to(tl.int32)
     local = (t - out_off).to(tl.int32)  # the token's index inside its (first) segment (offsets in it: 32-bit)
@@ -119,21 +119,23 @@ def _keys(a, b_kept, b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.con
 
 
 @triton.jit
-def _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM: tl.constexpr,
-                   ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                   SIGNS: tl.constexpr, RECOVER: tl.constexpr = True):
+def _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c,
+                   ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                   BLOCK_T: tl.constexpr, SIGNS: tl.constexpr, RECOVER: tl.constexpr = True):
     """Member ``m``'s logits from its compact keys (AdaKV validity applied) into its rows of ``s``. bfloat16 stores
-    (``qs``: the queries' and ``q ∘ a``'s bfloat16 splits, :func:`_split3`): ``q · k̃ = q · k + scale · (q ∘ a) · S``
-    on the tensor cores (the kept entries and ``S`` are exact in bfloat16; float32 products and sums), no float32
-    key rebuilt; else the float32 keys and an FMA dot. Without ``RECOVER`` (pruned entries read as 0: ThinK, the
-    zero/none recoveries, AdaKV's dense rows) only ``q · k``."""
+    (``q1 … q3``, ``qa1 … qa3``: the queries' and ``q ∘ a``'s bfloat16 splits, :func:`_split3`; unused for float32
+    stores): ``q · k̃ = q · k + scale · (q ∘ a) · S`` on the tensor cores (the kept entries and ``S`` are exact in
+    bfloat16; float32 products and sums), no float32 key rebuilt; else the float32 keys and an FMA dot. Without
+    ``RECOVER`` (pruned entries read as 0: ThinK, the zero/none recoveries, AdaKV's dense rows) only ``q · k``."""
     qh = tl.load(heads + m)
     hrow = head_ptr + qh * HEAD
     b = seg_ptr + tl.load(hrow + 1) * SEG  # (a second segment is a run of dense keys: FusedTables.layout)
-    k, scale, sign = _keys(_segment(seg_ptr, tl.load(hrow)), tl.load(b + 2), tl.load(b), tl.load(hrow + 2), t, live,
-                           c, ELEM, ESIZE, D, D_PAD, BLOCK_T, SIGNS, RECOVER, not RECOVER)
+    out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill = _segment(
+        seg_ptr, tl.load(hrow))
+    k, scale, sign = _keys(out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode,
+                           fill, tl.load(b + 2), tl.load(b), tl.load(hrow + 2), t, live, c, ELEM, ESIZE, D, D_PAD,
+                           BLOCK_T, SIGNS, RECOVER, not RECOVER)
     if ELEM == tl.bfloat16:
-        q1, q2, q3, qa1, qa2, qa3 = qs
         init = tl.zeros((q.shape[0], BLOCK_T), tl.float32)
         if RECOVER:
             init = scale[None, :] * _dot3(qa1, qa2, qa3, tl.trans(sign), init)

@@ -46,6 +46,8 @@ and compile every specialisation for sm_80/sm_90 ahead of time (``tests/test_gpu
 
 from __future__ import annotations
 
+import re
+
 import triton
 import triton.language as tl
 
@@ -62,10 +64,17 @@ HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)
 WORK: tl.constexpr = tl.constexpr(WORK_COLS)
 BLOCK = {2: 32, 4: 16}  # tokens per step of the token loop by element size
 ROWS = 16       # query rows per program (the dot products' M)
+# the Triton this runs, (major, minor): the launch shape below is tuned for 3.9; torch 2.6 pins 3.2
+TRITON = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", triton.__version__).groups())
 # warps of the partials kernel by element size: bfloat16 (tensor-core dots) 4 warps at BLOCK 32 (≤ 248 registers
 # at D ≤ 128, 2 CTAs per SM, no spill; BLOCK 64 at 4 warps spills, at 8 warps issues ~7% more per byte); float32 (FMA
-# dots) 8 warps at BLOCK 16 (≤ 254 registers, no spill)
-PARTIAL_WARPS = {2: 4, 4: 8}
+# dots) 8 warps at BLOCK 16 (≤ 254 registers, no spill). A Triton before 3.9 allocates more registers to the bfloat16
+# kernel and spills at 4 warps (every member kind: 100 bytes on sm_90 under 3.2, 16 on sm_80 under 3.8; a suffix 500
+# under 3.2), none at 8 (docs/development.md#tested-versions): there it launches 8
+PARTIAL_WARPS = {2: 4 if TRITON >= (3, 9) else 8, 4: 8}
+# what differs from the tuned kernels under this Triton (scripts/gpu/check.py names it; nothing is disabled)
+TRITON_NOTES = [] if TRITON >= (3, 9) else [
+    "the bfloat16 partials kernel launches 8 warps, not 4 (at 4 this Triton's register allocation spills)"]
 NUM_WARPS = 8   # the merge of a suffix (16 query rows and more)
 NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does not act on it
 # ptxas given no register limit caps these kernels at 64/80/128 registers (3-4 or 2 CTAs per SM of 256 threads) and
@@ -95,15 +104,17 @@ def _into(s, sm, member, m, live, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, head_ptr, seg_ptr, aux_ptr, c,
-          n_dense, n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM: tl.constexpr, ESIZE: tl.constexpr,
-          D: tl.constexpr, D_PAD: tl.constexpr, ROWS_: tl.constexpr, BLOCK_: tl.constexpr, VALIGN: tl.constexpr,
-          TK: tl.constexpr, PAIRS: tl.constexpr, MASKED: tl.constexpr, KINDS: tl.constexpr, RPM: tl.constexpr,
-          WALK: tl.constexpr):
+def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2, qg3, member, heads,
+          head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr,
+          ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROWS_: tl.constexpr,
+          BLOCK_: tl.constexpr, VALIGN: tl.constexpr, TK: tl.constexpr, PAIRS: tl.constexpr, MASKED: tl.constexpr,
+          KINDS: tl.constexpr, RPM: tl.constexpr, WALK: tl.constexpr):
     """One block of ``BLOCK_`` tokens from ``t0``: the values, every member's logits (one loop per kind, in the
     order :class:`~spark_bench.storage.segments.FusedTables` sorts them; a kind's loop only where ``KINDS`` has its
     bit), the online softmax. Without ``MASKED`` (a whole block) nothing is masked and the values and dense keys are
-    addressed from the block's first row by 32-bit offsets."""
+    addressed from the block's first row by 32-bit offsets. ``q1 … q3``, ``qa1 … qa3``, ``qg1 … qg3``: the
+    queries', ``q ∘ a``'s and the gathered queries' bfloat16 splits (each the float32 tensor itself for float32
+    stores), passed one by one: Triton 3.2 has no tuples as values."""
     tt = tl.arange(0, BLOCK_)
     t = t0 + tt.to(tl.int64)
     inside = (tt[:, None] * D + c[None, :])  # (32-bit) offsets of a block's rows of D channels
@@ -130,10 +141,10 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
                 k = tl.load(rows + inside, mask=both, other=0.0)
             else:
                 k = tl.load(rows + inside)
-            s = _into(s, _rows_dot(qs[0], qs[1], qs[2], k, ELEM), member, m, live, MASKED)
+            s = _into(s, _rows_dot(q1, q2, q3, k, ELEM), member, m, live, MASKED)
     if TK > 0:
         # structured keys (ThinK): each token's TK-wide row of the segment's kept channels, against the queries
-        # gathered at those channels once per program (qg): a TK-deep dot, no mask read
+        # gathered at those channels once per program (qg1 … qg3): a TK-deep dot, no mask read
         j = tl.arange(0, TK)
         for m in range(n_dense, n_struct):
             row = seg_ptr + tl.load(head_ptr + tl.load(heads + m) * HEAD) * SEG
@@ -141,7 +152,7 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
             start = (tl.load(row + 2) - elem_ptr.to(tl.int64, bitcast=True)) // ESIZE
             rows = elem_ptr + start + (t0 - tl.load(row)) * t_kept  # (from the segment's first token)
             at = tt[:, None] * t_kept + j[None, :]
-            if ELEM == tl.bfloat16 and PAIRS and not MASKED:  # entries read in pairs, as 32-bit words
+            if (ELEM == tl.bfloat16 and PAIRS) and not MASKED:  # entries read in pairs, as 32-bit words
                 jp = tl.arange(0, TK // 2)
                 words = tl.load((rows + (tt[:, None] * t_kept + 2 * jp[None, :])).to(tl.pointer_type(tl.int32)),
                                 mask=(2 * jp < t_kept)[None, :], other=0)
@@ -152,23 +163,23 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, heads, 
                 k = tl.load(rows + at, mask=live[:, None] & (j < t_kept)[None, :], other=0.0)
             else:
                 k = tl.load(rows + at, mask=(j < t_kept)[None, :], other=0.0)
-            s = _into(s, _rows_dot(qg[0], qg[1], qg[2], k, ELEM), member, m, live, MASKED)
+            s = _into(s, _rows_dot(qg1, qg2, qg3, k, ELEM), member, m, live, MASKED)
     if KINDS & 4:
         for m in range(n_struct, n_bare):  # compact keys (or AdaKV validity), pruned entries 0
-            s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
-                               D_PAD, BLOCK_, False, False)
+            s = _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live,
+                               c, ELEM, ESIZE, D, D_PAD, BLOCK_, False, False)
     if KINDS & 8:
         for m in range(n_bare, n_plain):  # compact keys with a recovery, no signs
-            s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE, D,
-                               D_PAD, BLOCK_, False)
+            s = _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live,
+                               c, ELEM, ESIZE, D, D_PAD, BLOCK_, False)
     if KINDS & 16:
         for m in range(n_plain, count):  # compact keys with signs (official recovery)
             if WALK:  # (a decode step: each token's kept entries walked where they are stored)
                 s = _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, t_end, D, D_PAD,
                                  BLOCK_, RPM, ROWS_, ELEM)
             else:
-                s = _member_scores(s, q, qs, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c, ELEM, ESIZE,
-                                   D, D_PAD, BLOCK_, True)
+                s = _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t,
+                                   live, c, ELEM, ESIZE, D, D_PAD, BLOCK_, True)
     return _online(m_i, l_i, acc, s, v)
 
 
@@ -221,9 +232,8 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     if ELEM == tl.bfloat16:  # the queries' and q ∘ a's bfloat16 splits, once (tensor-core dots, float32 products)
         q1, q2, q3 = _split3(q)
         qa1, qa2, qa3 = _split3(q * aux)
-        qs = (q1, q2, q3, qa1, qa2, qa3)
     else:
-        qs = (q, q, q, q, q, q)
+        q1, q2, q3, qa1, qa2, qa3 = q, q, q, q, q, q
     if WALK:  # the signed members' per-step tables (q, q ∘ a by channel; q ∘ a's nibble sums), then a barrier
         _walk_tables(walk_ptr, q, q * aux, qh_r, row_ok & (member >= n_plain) & (member < count), r, c, D, D_PAD,
                      RPM)
@@ -240,11 +250,11 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
         gq = tl.load(q_ptr + (qh_r * q_stride + g * D)[:, None] + chan.to(tl.int64), mask=gm,
                      other=0.0).to(tl.float32) * scale
         if ELEM == tl.bfloat16:
-            qg = _split3(gq)
+            qg1, qg2, qg3 = _split3(gq)
         else:
-            qg = (gq, gq, gq)
+            qg1, qg2, qg3 = gq, gq, gq
     else:
-        qg = (q, q, q)
+        qg1, qg2, qg3 = q, q, q
     m_i = tl.full((RPM * MEMBERS,), float("-inf"), tl.float32)
     l_i = tl.zeros((RPM * MEMBERS, BLOCK_), tl.float32)  # per-column partial sums (one reduction, at the end)
     acc = tl.zeros((RPM * MEMBERS, D_PAD), tl.float32)
@@ -258,15 +268,15 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     # block, if any, masked
     full_end = t_start + (t_end - t_start) // BLOCK_ * BLOCK_
     for t0 in range(t_start, full_end, BLOCK_):
-        m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, list_ptr + list_start,
-                              head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, walk_ptr,
-                              tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, False, KINDS,
-                              RPM, WALK)
+        m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
+                              qg3, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct,
+                              n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
+                              VALIGN, TK, PAIRS, False, KINDS, RPM, WALK)
     for t0 in range(full_end, t_end, BLOCK_):
-        m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, qs, qg, member, list_ptr + list_start,
-                              head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, walk_ptr,
-                              tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_, VALIGN, TK, PAIRS, True, KINDS,
-                              RPM, WALK)
+        m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
+                              qg3, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct,
+                              n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
+                              VALIGN, TK, PAIRS, True, KINDS, RPM, WALK)
     slot = tl.load(head_ptr + qh_r * HEAD + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])

@@ -6,7 +6,8 @@ Float32 products on the tensor cores from bfloat16 operands: a float32 operand i
 and values into a running max, sum and ``Σ weight · value``. Helpers for the C++ kernel's exact arithmetic:
 :func:`_sqrt_rn` (correctly rounded ``sqrt``), :func:`_popc` (``POPC``). Under Triton's CPU interpreter
 (``TRITON_INTERPRET=1`` set before this module is imported) the GPU-only instructions fall back to equivalents, and
-the interpreter's bfloat16 ``tl.dot`` is made to widen its operands (:func:`_interpreter_bf16_dot`).
+the interpreter's bfloat16 ``tl.dot`` is made to widen its operands (:func:`_interpreter_bf16_dot`); two faults of the
+interpreter up to Triton 3.2 are put right (:func:`_interpreter_older_triton`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,57 @@ def _interpreter_bf16_dot() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _interpreter_older_triton() -> None:
+    """Faults of Triton's CPU interpreter up to 3.2 (torch 2.6's; its ``ReduceScanOpIneterface``, renamed with the
+    fixes) under numpy 2, put right where they occur: a reduction or scan keeps numpy's accumulator type (uint32
+    words summed into uint64 data under a uint32 tensor, which a bitcast then reads as twice as many int32s); a scalar
+    (a one-element array there) used as an index or a loop bound is converted by ``int(array)``, which numpy 2.4
+    refuses; ``~`` of a boolean or an unsigned tensor asks for an all-ones value it has no type for (booleans) or
+    makes as ``-1``, which numpy 2 refuses for unsigned types; a store through a scalar pointer whose mask is false
+    stores all the same (``if not mask`` reads the mask's value where a newer Triton asks ``mask is None``; the
+    partials kernel's tail-length update, one program's, would run in every program). Installed only under
+    ``TRITON_INTERPRET=1``; nothing is changed in a newer interpreter. The kernels' source is the same for every
+    Triton."""
+    import numpy as np
+    from triton.language import semantic
+    from triton.runtime import interpreter
+
+    base = getattr(interpreter, "ReduceScanOpIneterface", None)
+    if base is None or getattr(base.to_tensor, "keeps_dtype", False):
+        return
+    to_tensor, patch, builder = base.to_tensor, interpreter._patch_lang_tensor, interpreter.InterpreterBuilder
+    store = semantic._store_legacy
+
+    def typed_to_tensor(self, ret, dtype):
+        if getattr(ret, "shape", ()):
+            ret = ret.astype(interpreter._get_np_dtype(dtype), copy=False)
+        return to_tensor(self, ret, dtype)
+
+    def patch_lang_tensor(tensor, *args):
+        patch(tensor, *args)
+        tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+
+    def get_all_ones_value(self, type):
+        np_type = interpreter._get_np_dtype(type)
+        ones = True if np_type == np.bool_ else np.iinfo(np_type).max if np_type.kind == "u" else -1
+        return interpreter.TensorHandle(np.full(1, ones, dtype=np_type), type.scalar)
+
+    def store_legacy(ptr, val, mask, *args):
+        if mask is not None and not mask.type.is_block() and not np.asarray(mask.handle.data).reshape(-1)[0]:
+            return tl.tensor(None, tl.void)  # (its mask is off: nothing stored)
+        return store(ptr, val, mask, *args)
+
+    typed_to_tensor.keeps_dtype = True
+    base.to_tensor = typed_to_tensor
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    builder.get_int1_ty = lambda self: tl.int1
+    builder.get_all_ones_value = get_all_ones_value
+    semantic._store_legacy = store_legacy
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_bf16_dot()
+    _interpreter_older_triton()
 
 
 DOT_PRECISION: tl.constexpr = tl.constexpr("ieee")  # float32 products (FMA), as the C++ kernel
