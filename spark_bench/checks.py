@@ -48,12 +48,35 @@ if not OmegaConf.has_resolver("config_hash"):
 
 
 def check_inside(key: str, value, root) -> None:
-    """A path made from user input (``run=``, a sweep entry's protocol name) stays inside ``root``: relative, no
-    ``..`` part."""
-    path = Path(str(value))
-    if path.is_absolute() or ".." in path.parts:
-        raise ConfigError(f"{key}={value}: must stay inside {root} (a relative name without '..'); e.g. "
-                          f"{key}={path.name if path.name not in ('', '..') else 'my_run'}")
+    """A path made from user input (``run=``, a sweep entry's protocol name) names a place strictly inside
+    ``root``: not empty, relative, no ``..`` part, and not ``root`` itself (``.``, ``./.``, ``a/..``)."""
+    text = str(value)
+    problem = name_problem(text)
+    if problem:
+        shown = repr(text if len(text) <= 60 else text[:59] + "…")
+        raise ConfigError(f"{key}={shown}: {problem}")
+    path = Path(text)
+    if not text.strip() or path.is_absolute() or ".." in path.parts or not path.parts:
+        name = path.name if path.name not in ("", "..", ".") else "my_run"
+        raise ConfigError(f"{key}={value}: must stay inside {root} (a relative name of a directory below it: not "
+                          f"empty, not '.', without '..'); e.g. {key}={name}")
+
+
+NAME_MAX = 255  # bytes in one file or directory name (ext4, xfs, btrfs, tmpfs, NFS)
+
+
+def name_problem(text: str) -> str | None:
+    """What makes ``text`` unusable as a path the run creates, in words (None: nothing): a control character (a
+    newline, a tab, NUL: a directory no listing or table shows right, or none at all) or a part longer than a
+    directory name can be."""
+    bad = next((c for c in text if not c.isprintable() and c != " "), None)
+    if bad is not None:
+        return f"holds the control character {bad!r}; a directory name is printable text"
+    long = next((part for part in Path(text).parts if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX), None)
+    if long is not None:
+        return (f"has a part {len(long.encode('utf-8', 'surrogateescape'))} bytes long; a directory name holds at "
+                f"most {NAME_MAX}")
+    return None
 
 
 # group → config names that exist besides conf/<group>/*.yaml: a search path's files and the method names Hydra's
@@ -90,8 +113,28 @@ def parse_shard(shard) -> tuple[int, int] | None:
 
 
 def check_file(key: str, path) -> None:
-    if path is not None and not Path(path).is_file():
-        raise ConfigError(f"{key}: {path} does not exist")
+    """``path`` is a regular file the run can read (a directory, a device, a file without read permission: one
+    line, :func:`file_problem`)."""
+    problem = None if path is None else file_problem(path)
+    if problem:
+        raise ConfigError(f"{key}: {problem}")
+
+
+def file_problem(path) -> str | None:
+    """Why ``path`` is not a regular, readable file, in words starting with the path (None: it is one)."""
+    file = Path(path)
+    try:
+        if file.is_file():
+            if os.access(file, os.R_OK):
+                return None
+            return f"{path} is not readable (permission denied)"
+        if file.is_dir():
+            return f"{path} is a directory, not a file"
+        if file.exists():
+            return f"{path} is not a regular file (a device, a pipe or a socket)"
+    except OSError as err:  # a name too long, a loop of links
+        return f"{path}: {err.strerror or err}"
+    return f"{path} does not exist"
 
 
 def check_options(cfg: DictConfig) -> None:
@@ -123,6 +166,9 @@ def check_output(out_dir: Path, key: str = "output_root/run") -> None:
     """The results directory (or ``key``'s directory) can be made and written: no file in its place or above it, the
     nearest existing directory writable. Nothing is created here."""
     fix = "output_root= or run=" if key == "output_root/run" else f"{key}="
+    problem = name_problem(str(out_dir))
+    if problem:
+        raise ConfigError(f"{key}: {str(out_dir)!r} {problem}; choose another {fix}")
     for place in (out_dir, *out_dir.parents):
         if place.exists():
             if not place.is_dir():
@@ -132,19 +178,16 @@ def check_output(out_dir: Path, key: str = "output_root/run") -> None:
             return
 
 
-def check_token_ids(samples, model: ModelConfig, key: str) -> None:
-    """Every token id of exported samples is inside the model's vocabulary (its ``config.json`` or ``arch:``)."""
+def vocab_size(model: ModelConfig) -> int | None:
+    """The size of the model's vocabulary (its ``config.json`` or ``arch:``), which every token id a user brings (a
+    data file's ``input_ids`` and ``stop_token_ids``, :mod:`spark_bench.benchmarks.records`) must stay under; None
+    when no shape is known (the model's own embedding will say so)."""
     from spark_bench.memory import Arch
 
     try:
-        vocab = Arch.of(model).vocab_size
+        return Arch.of(model).vocab_size
     except ValueError:
-        return  # no shape known: the model's own embedding will say so
-    for sample in samples:
-        if sample.input_ids and (max(sample.input_ids) >= vocab or min(sample.input_ids) < 0):
-            raise ConfigError(f"{key}: sample {sample.id} has token ids outside model {model.name}'s vocabulary "
-                              f"(0 … {vocab - 1}; found {min(sample.input_ids)} … {max(sample.input_ids)}): "
-                              f"exported with another tokenizer?")
+        return None
 
 
 def resolve_device(name, model: ModelConfig) -> str:

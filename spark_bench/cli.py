@@ -27,6 +27,7 @@ from spark_bench.checks import (
     CONF_DIR, PROTOCOL_KEYS, ConfigError, budget_warnings, check_group_choices, check_launcher, check_options,
     check_output, cuda_exists, parse_shard, resolve_device,
 )
+from spark_bench.usercode import UserCodeError
 from spark_bench.models import ModelConfig, load_model, resolve_sources
 from spark_bench.samples import benchmark_tasks, check_benchmark, load_samples
 from spark_bench.sweep import check_budgets, method_configs
@@ -303,7 +304,9 @@ def _compute(cfg: DictConfig, out_dir: Path, model_cfg: ModelConfig, configs: li
         if not complete:
             memory.write_report(out_dir / "memory.json", prediction, predictions, loaded)
     except ResultsMismatch as err:
-        raise ConfigError(str(err)) from None
+        from spark_bench.upgrade import mismatch_line
+
+        raise ConfigError(mismatch_line(err, cfg)) from None
     except OSError as err:  # disk full, permissions changed: what was written stays valid and resumes
         where = err.filename or out_dir
         raise ConfigError(f"writing {where} failed: {err.strerror or err}; the predictions written before are "
@@ -322,7 +325,7 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
     from spark_bench.engine.clock import resident_now, return_freed_memory
     from spark_bench.models import LoadedModel, load_tokenizer
     from spark_bench.results import DamagedFile, ResultsDir, ResultsMismatch
-    from spark_bench import memory, runner, tracking  # noqa: F401 — imported before the baseline is measured
+    from spark_bench import memory, provenance, runner, tracking, upgrade  # noqa: F401 — before the baseline
 
     start = time.perf_counter()
     return_freed_memory()
@@ -346,19 +349,34 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
             LOG.info(f"memory: decode_batch={decode_batch} (all {prediction.rows} rows together are predicted not "
                      f"to fit with their margin: {max(prediction.devices, key=lambda d: d.needed).line()})")
         payload = run_payload(cfg, text, samples, configs)
+        refusal, note = upgrade.old_default_dir(cfg, out_dir, payload)  # an older version's default directory
+        if refusal:
+            raise ConfigError(refusal)
+        if note:
+            LOG.warning(note)
         try:
             from spark_bench.methods.pipeline import sweep_labels
 
-            results = ResultsDir(out_dir, payload)
+            labels = sweep_labels(configs)
+            results = ResultsDir(out_dir, payload, upgrade.same_study)
             for line in results.check_files(repair=bool(cfg.get("repair", False))):
                 LOG.warning(line)
-            complete = results.complete([s.id for s in samples], sweep_labels(configs))
+            complete = results.complete([s.id for s in samples], labels, runner.CACHE_FIELDS)
+            # every refusal is behind: the session's record is written as it starts (a SIGKILL leaves it)
+            results.open({"samples": [[s.id, s.task] for s in samples], "configs": labels})
+            for line in results.start(provenance.session(resolve_device(cfg.device, model_cfg))):
+                LOG.warning(line)
         except ResultsMismatch as err:
-            raise ConfigError(str(err)) from None
+            raise ConfigError(upgrade.mismatch_line(err, cfg)) from None
         except DamagedFile as err:
             raise ConfigError(f"run={cfg.run}: {err}") from None
         with logs.to_file(out_dir / "run.log"):
-            _compute(cfg, out_dir, model_cfg, configs, text, samples, payload, complete, prediction, decode_batch)
+            try:
+                _compute(cfg, out_dir, model_cfg, configs, text, samples, payload, complete, prediction,
+                         decode_batch)
+            except BaseException as err:  # e.g. the model failed to load: the session's record says so
+                results.end_session(f"stopped: {type(err).__name__}: {str(err)[:200]}", strict=False)
+                raise
             tracking.log_run(cfg.get("tracking", "none"), OmegaConf.to_container(cfg, resolve=True), out_dir,
                              Path(cfg.output_root), cfg.run, prediction.peak)
     print(f"\n{(out_dir / 'table.md').read_text()}", flush=True)
@@ -366,38 +384,63 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
 
 
 def fail(tool: str, cfg: DictConfig | None, err: Exception) -> None:
-    if HydraConfig.initialized() and HydraConfig.get().verbose:  # hydra.verbose=true: show the traceback
-        raise err
+    """A user error: one ``<tool>: error: <line>`` per line of ``err`` on stderr, exit 2 (``hydra.verbose=true``
+    or ``-v``: its traceback first; still exit 2, a user error, not the internal error of
+    :class:`~spark_bench.logs.last_resort`)."""
+    hydra_verbose = HydraConfig.initialized() and HydraConfig.get().verbose
+    if hydra_verbose or (logs.verbosity() >= logs.VERBOSE and err.__cause__ is not None):
+        import traceback  # (-v: where there is more to see than the line, the user's own code failing)
+
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
     for line in str(err).splitlines() or [""]:  # one line per problem (a dry run may find several)
         print(f"{tool}: error: {line}", file=sys.stderr)
     sys.exit(2)
 
 
+def user_code_failed(tool: str, cfg: DictConfig | None, err: UserCodeError) -> None:
+    """A method of the user's failed (:mod:`spark_bench.usercode`): a user error, exit 2, in one line; at run time
+    (the run's ``run.log`` open) the traceback goes there, the line says so, and what was written stays
+    (``predictions.jsonl`` is appended per sample, so the rerun resumes after the fix). ``-v`` prints it too."""
+    if logs.run_log() is not None:
+        where = logs.write_traceback(err, header=tool)
+        said = ConfigError(f"{err}; traceback in {where}; the predictions written before are kept, and a rerun "
+                           "resumes")
+        said.__cause__ = err
+        err = said
+    fail(tool, cfg, err)
+
+
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
-    try:
-        run(cfg, output_dir(cfg))
-    except (ConfigError, FileNotFoundError) as err:
-        fail("spark-bench", cfg, err)
+    with logs.last_resort("spark-bench"):  # inside the task: @hydra.main would catch it first (logs.last_resort)
+        try:
+            run(cfg, output_dir(cfg))
+        except (ConfigError, FileNotFoundError) as err:
+            fail("spark-bench", cfg, err)
+        except UserCodeError as err:
+            user_code_failed("spark-bench", cfg, err)
 
 
 def checked(tool: str, entry, check_job=None) -> None:
     """Run a console script's Hydra ``entry`` once its command line composes (:mod:`spark_bench.commandline`:
     a bad key is one line, exit 2). A multirun is checked whole first: every job's config through ``check_job``
     (the checks a job runs before its model loads); one bad job refuses the sweep, one line per bad job.
-    ``-q`` / ``-v`` anywhere on the command line set the verbosity (:mod:`spark_bench.logs`) and are not Hydra's."""
+    ``-q`` / ``-v`` anywhere on the command line set the verbosity (:mod:`spark_bench.logs`) and are not Hydra's.
+    Runs under :class:`~spark_bench.logs.last_resort` (an unexpected exception: one line, exit 1); ``entry``'s
+    task function runs its own body under it too."""
     verbosity, sys.argv[1:] = logs.take_flags(sys.argv[1:])
     logs.configure(verbosity, tool)
-    try:
-        prepare_command_line(sys.argv[1:])  # kvpress:<press> and methods of one's own as method= choices
-        check_group_choices(sys.argv[1:])
-        check_launcher(sys.argv[1:])
-        jobs = compose_jobs(sys.argv[1:])
-        if check_job is not None and len(jobs) > 1:
-            check_sweep(jobs, check_job)
-    except ConfigError as err:
-        fail(tool, None, err)
-    entry()
+    with logs.last_resort(tool):
+        try:
+            prepare_command_line(sys.argv[1:])  # kvpress:<press> and methods of one's own as method= choices
+            check_group_choices(sys.argv[1:])
+            check_launcher(sys.argv[1:])
+            jobs = compose_jobs(sys.argv[1:])
+            if check_job is not None and len(jobs) > 1:
+                check_sweep(jobs, check_job)
+        except ConfigError as err:
+            fail(tool, None, err)
+        entry()
 
 
 def _check_run_job(cfg: DictConfig) -> None:

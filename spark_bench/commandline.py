@@ -69,10 +69,13 @@ def compose(overrides: list[str]) -> DictConfig:
 def compose_jobs(argv: list[str]) -> list[tuple[list[str], DictConfig]]:
     """``[(job overrides, composed config), …]``: one job, or every job of a ``-m`` sweep; raises
     :class:`ConfigError` (one line) on the first override Hydra cannot compose or that nothing reads."""
+    import yaml
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+
+    from spark_bench.usercode import yaml_error
 
     split = split_argv(argv)
     if split is None:
@@ -83,7 +86,8 @@ def compose_jobs(argv: list[str]) -> list[tuple[list[str], DictConfig]]:
         try:
             parsed += parser.parse_overrides([override])
         except HydraException as err:
-            raise ConfigError(f"{override}: not an override Hydra can read ({_first_line(err)}); the form is "
+            shown = override if override.isprintable() else repr(override)  # a newline in it: still one line
+            raise ConfigError(f"{shown}: not an override Hydra can read ({_first_line(err)}); the form is "
                               f"key=value, key=[a,b] for a list, quoted 'key=a b' for spaces") from None
     if multirun:
         try:
@@ -98,6 +102,8 @@ def compose_jobs(argv: list[str]) -> list[tuple[list[str], DictConfig]]:
             cfg = compose(job)
         except (HydraException, OmegaConfBaseException) as err:
             raise ConfigError(explain(job, err)) from None
+        except yaml.YAMLError as err:  # a config file Hydra read: named by file:line
+            raise ConfigError(yaml_error(err)) from None
         check_additions(job, cfg)
         out.append((job, cfg))
     return out
@@ -221,13 +227,29 @@ def prepare_command_line(argv: list[str]) -> None:
     but that resolves — ``kvpress:knorm+spark``, ``my_method+spark`` — gets a config node in Hydra's ConfigStore
     (``{name: <name>}``), so it composes and sweeps like a packaged method config. A name that does not resolve is
     refused in one line (:class:`~spark_bench.checks.ConfigError`); methods/registry.py says where a method of one's
-    own is found."""
+    own is found. So is a malformed ``hydra.searchpath`` (the key and the valid form), a config of one's own named
+    like one of the package's (``method/snapkv.yaml``: Hydra would silently read the package's; both files named).
+    Invalid YAML in a config Hydra reads is named by ``file:line`` (:func:`compose_jobs`), as is a config of one's
+    own that is not a mapping or a method config without a name (:func:`~spark_bench.methods.registry.check_user_configs`)."""
     from hydra.core.config_store import ConfigStore
 
     from spark_bench.checks import EXTRA_CHOICES
     from spark_bench.methods import registry
 
-    dirs = registry.search_dirs_of(argv)
+    try:
+        dirs = registry.search_dirs_of(argv)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    clashes = registry.shadowed(dirs, CONF_DIR, CONFIG_GROUPS)
+    if clashes:
+        mine, own = clashes[0]
+        raise ConfigError(f"hydra.searchpath: {mine} has the name of spark-bench's own {own} ({own.parent.name}="
+                          f"{own.stem}), which Hydra reads instead; rename yours (e.g. {mine.parent.name}/my_"
+                          f"{mine.name})")
+    try:
+        registry.check_user_configs(dirs, CONFIG_GROUPS)
+    except registry.UserCodeError as err:
+        raise ConfigError(str(err)) from None
     registry.set_search_dirs(dirs)
 
     for group in CONFIG_GROUPS:  # a search path's own configs (sweep=my_sweep, method=my_method) are valid choices

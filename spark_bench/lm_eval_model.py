@@ -117,7 +117,37 @@ class SparkBenchLM(LM):
 def main() -> None:
     """``spark-bench-lm-eval``: lm-eval's command line with the ``spark-bench`` model type registered. What
     spark-bench refuses (a model not on disk with the hub unusable, a missing GPU, a bad method option: a
-    ``ValueError`` or a missing file) ends in one line, exit 2, as every spark-bench command."""
+    ``ValueError`` or a missing file) ends in one line, exit 2, as every spark-bench command; anything else is
+    an internal error (:class:`spark_bench.logs.last_resort`: one line, exit 1, the traceback in a file;
+    ``-v`` / ``--verbose`` prints it too)."""
+    import sys
+
+    from spark_bench import logs
+
+    verbose, sys.argv[1:] = _take_verbose(sys.argv[1:])
+    logs.configure(logs.VERBOSE if verbose else logs.NORMAL, "spark-bench-lm-eval")
+    with logs.last_resort("spark-bench-lm-eval"):
+        _evaluate()
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _take_verbose(argv: list[str]) -> tuple[bool, list[str]]:
+    """spark-bench's ``-v`` / ``--verbose`` (tracebacks printed) and ``argv`` without it. lm-eval's own
+    ``-v LEVEL`` / ``--verbosity LEVEL`` stays lm-eval's (``DEBUG`` counts as verbose here too)."""
+    verbose, kept = False, []
+    for i, arg in enumerate(argv):
+        level = argv[i + 1].upper() if i + 1 < len(argv) else ""
+        if arg == "--verbose" or (arg == "-v" and level not in LOG_LEVELS):
+            verbose = True
+            continue
+        verbose = verbose or (arg in ("-v", "--verbosity") and level == "DEBUG")
+        kept.append(arg)
+    return verbose, kept
+
+
+def _evaluate() -> None:
     import sys
 
     from lm_eval.__main__ import cli_evaluate

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Option:
-    """``kind``: ``int`` | ``number`` | ``bool`` | ``str`` | ``list``; ``low`` / ``high`` bounds (``open_low`` /
-    ``open_high``: strict); ``choices``: the allowed values; ``odd``: odd integers only; ``nullable``: null allowed
-    (and what null means, in ``null``); ``nonempty``: a list or string must not be empty."""
+    """``kind``: ``int`` | ``number`` | ``bool`` | ``str`` | ``list`` | ``dict`` (a JSON object: a data file's
+    ``meta``); ``low`` / ``high`` bounds (``open_low`` / ``open_high``: strict); ``choices``: the allowed values;
+    ``odd``: odd integers only; ``nullable``: null allowed (and what null means, in ``null``); ``nonempty``: a list
+    or string must not be empty."""
 
     kind: str
     low: float | None = None
@@ -41,6 +42,8 @@ class Option:
             text += f" ({self.items.valid()} each)" if self.items else ""
         elif self.kind == "str":
             text = "a non-empty string" if self.nonempty else "a string"
+        elif self.kind == "dict":
+            text = "an object (a mapping of names to values)"
         else:
             noun = "an odd integer" if self.odd else "an integer" if self.kind == "int" else "a number"
             bounds = []
@@ -62,6 +65,8 @@ class Option:
             return isinstance(value, bool)
         if self.kind == "str":
             return isinstance(value, str) and (bool(value) or not self.nonempty)
+        if self.kind == "dict":
+            return isinstance(value, dict)
         if self.kind == "list":
             return (isinstance(value, (list, tuple)) and (bool(value) or not self.nonempty)
                     and (self.items is None or all(self.items.accepts(v) for v in value)))
@@ -107,6 +112,9 @@ BENCHMARK_OPTIONS = {
     "length": POSITIVE_INT, "seed": Option("int"),
     "max_new_tokens": Option("int", 1, nullable=True, null="the task's own"),
     "data_file": Option("str", nonempty=True, nullable=True, null="generate or load the benchmark"),
+    # a data file's sample longer than the model's context (prompt + max_new_tokens > model.max_length):
+    # refused, cut in the middle as LongBench cuts, or run as it is (spark_bench/benchmarks/records.py)
+    "truncate": Option("str", choices=("refuse", "middle", "keep")),
 }
 LONGBENCH_OPTIONS = {
     "e": Option("bool"), "max_length": Option("int", 1, nullable=True, null="the model's longbench_max_length"),

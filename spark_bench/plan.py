@@ -138,9 +138,9 @@ def _bounds(cfg, model: ModelConfig, tasks: list[str], scopes: set[str],
     from spark_bench.benchmarks.longbench import truncation_limit
 
     if samples is None and cfg.benchmark.get("data_file"):
-        from spark_bench.benchmarks.export import read_samples
+        from spark_bench.samples import data_file_samples
 
-        samples = read_samples(cfg.benchmark.data_file)
+        samples = data_file_samples(cfg, model)  # as the run loads them (benchmark.truncate applied)
     if samples is not None:
         from spark_bench.benchmarks.reference import reference_text
 

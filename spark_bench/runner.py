@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pandas as pd
@@ -22,10 +22,14 @@ from spark_bench.benchmarks.reference import reference_ids
 from spark_bench.engine.prefill import Prefill
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.pipeline import sweep_labels
+from spark_bench.usercode import UserCodeError
 from spark_bench.models import LoadedModel
+from spark_bench import provenance, upgrade
 from spark_bench.results import TIMING_FIELDS, ResultsDir, read_complete_lines
 from spark_bench.logs import Progress
-from spark_bench.tables import NO_FULL, render_markdown, summarize, with_fidelity
+from spark_bench.tables import (
+    FIDELITY_COLUMNS, NO_FULL, per_task, render_markdown, score_table, summarize, with_fidelity,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -57,6 +61,12 @@ class Prediction:
     warmup_s: float = 0.0  # its share of the first uses of fast-path variants in its batch (compile, run-time check)
 
 
+# what a resume restores from the sample, the config and the stored prediction text (upgrade.refresh); every other
+# field of a prediction needs the model and the caches: a stored record without one of them is computed again
+RESTORED = ("task", "answers", "length", "method", "score")
+CACHE_FIELDS = tuple(f.name for f in fields(Prediction) if f.name not in (*TIMING_FIELDS, *RESTORED))
+
+
 def _prefill(lm: LoadedModel, sample: Sample, pipelines: list[Pipeline]) -> Prefill:
     """One prefill of the whole prompt serves every pipeline, whatever part of the prompt it compresses."""
     return prefill_for(lm.model, sample.input_ids, pipelines,
@@ -68,8 +78,11 @@ def _build_row(lm: LoadedModel, sample: Sample, pipeline: Pipeline, prefill: Pre
     """Compress ``prefill`` under ``pipeline`` into a decode row (the library's :func:`~spark_bench.api.compress`
     step); also (compress seconds, KV bytes when decoding starts, key ratio). ``selections``: the sample's token
     selections, shared by its configs."""
-    context = compress_prefill(prefill, pipeline, sample.input_ids, sample.scope_end(pipeline.config.compress_scope),
-                               selections)
+    try:
+        context = compress_prefill(prefill, pipeline, sample.input_ids,
+                                   sample.scope_end(pipeline.config.compress_scope), selections)
+    except UserCodeError as err:  # a method of one's own failed (methods/registry.py): which sample it was
+        raise err.at(sample.id) from err.__cause__
     row = DecodeRow(context.cache, context.first_logits, context.end, sample.max_new_tokens,
                     lm.stop_token_ids | set(sample.stop_token_ids), sample.min_new_tokens, suffix=context.suffix)
     return row, (context.compress_s, context.kv_bytes, context.key_ratio)
@@ -210,9 +223,30 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate sample ids: {sorted({i for i in ids if ids.count(i) > 1})[:5]}")
     pipelines = [Pipeline.from_config(c, label) for c, label in zip(configs, labels)]
-    results = ResultsDir(out_dir, payload or default_payload(lm, samples, configs))
+    results = ResultsDir(out_dir, payload or default_payload(lm, samples, configs), upgrade.same_study)
+    session = provenance.session(str(lm.device) if lm.model is not None else None, lm.model)
     done = {(r["id"], r["config"]): r for r in results.open({"samples": [[s.id, s.task] for s in samples],
-                                                              "configs": labels})}
+                                                              "configs": labels}, session)}
+    try:
+        predictions = _sweep(lm, samples, pipelines, labels, results, done, progress, decode_batch, decode_samples,
+                             decode_stack, decode_graph, checks)
+    except BaseException as err:  # the session's record says how it stopped (a SIGKILL leaves it "running")
+        said = str(err).splitlines()[0] if str(err) else ""
+        results.end_session(f"stopped: {type(err).__name__}: {said}"[:300], strict=False)
+        raise
+    results.end_session("finished")
+    return predictions
+
+
+def _sweep(lm, samples, pipelines, labels, results, done, progress, decode_batch, decode_samples, decode_stack,
+           decode_graph, checks) -> pd.DataFrame:
+    """:func:`run_sweep` once its directory is open: resume, compute what is missing, write the tables."""
+    out_dir = results.path
+    stored = set(done)
+    for line in upgrade.refresh(done, samples, pipelines, CACHE_FIELDS)[2]:
+        LOG.warning(line)
+    if stored - set(done):  # computed again: their old timing lines go (a report would count them twice)
+        results.drop_timings(stored - set(done))
     timing = {(r["id"], r["config"]): r for r in read_complete_lines(results.timings)}
     resumed = sum((s.id, label) in done for s in samples for label in labels)
     if resumed:
@@ -252,10 +286,28 @@ def run_sweep(lm: LoadedModel, samples: list[Sample], configs: list[MethodConfig
     scores = summarize(predictions, labels, tasks)
     results.finalize(ordered, {"scores.csv": scores.to_csv(index=False),
                                "table.md": render_markdown(scores, labels, tasks, predictions)})
-    for label, group in with_fidelity(predictions).groupby("config", sort=False):
-        rate = group.tokens.map(len).sum() / max(group.decode_s.sum(), 1e-9)
-        kv = 100 * (group.kv_bytes / group.kv_bytes_full).mean()
-        kl = "" if full is None else f", KL to full {group.kl_full.mean():.3f}"
-        LOG.info(f"{label}: score {group.score.mean():.2f}, answer NLL {group.answer_nll.mean():.3f}"
-                 f"{kl}, KV {kv:.1f}%, decode {rate:.1f} tok/s")
+    for line in summary_lines(predictions, scores, labels, tasks, full is not None):
+        LOG.info(line)
     return predictions
+
+
+def summary_lines(predictions: pd.DataFrame, scores: pd.DataFrame, labels: list[str], tasks: list[str],
+                  has_full: bool = True) -> list[str]:
+    """One line per config with the numbers ``table.md`` prints (:func:`~spark_bench.tables.score_table`: the
+    score's Avg over tasks, KV %, decode tok/s; the fidelity means over tasks, "–" where the table has none because
+    some sample lacks the number), in the table's digits."""
+    wide = score_table(scores, labels, tasks)
+    measured = with_fidelity(predictions)
+    lines = []
+    for label in labels:
+        cells = {}
+        for column, name in FIDELITY_COLUMNS.items():
+            values = per_task(measured, label, tasks, column)
+            missing = not values or any(v.isna().any() for v in values)
+            cells[name] = "–" if missing else f"{sum(v.mean() for v in values) / len(values):.3f}"
+        row = wide.loc[label]
+        number = (lambda v, d: "–" if pd.isna(v) else f"{v:.{d}f}")
+        kl = f", KL to full {cells['KL full']}" if has_full else ""
+        lines.append(f"{label}: score {number(row['Avg'], 2)}, answer NLL {cells['NLL']}{kl}, KV "
+                     f"{number(row['KV %'], 2)}%, decode {number(row['Decode tok/s'], 1)} tok/s")
+    return lines

@@ -1,6 +1,6 @@
 """A run's samples from its composed config (the ``benchmark``, ``ruler`` and ``longbench`` sections): the tasks
 (:func:`benchmark_tasks`), everything about them that can be refused before the model loads
-(:func:`check_benchmark`: names, lengths, files, every LongBench record, exported samples' token ids) and the
+(:func:`check_benchmark`: names, lengths, files, every LongBench record, every record of a data file) and the
 samples themselves (:func:`load_samples`: generated RULER, LongBench, or ``benchmark.data_file``'s exported records;
 this shard's share). The benchmark modules are imported inside the functions, after the cheap checks."""
 
@@ -10,14 +10,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from spark_bench.checks import ConfigError, check_file, check_token_ids, parse_shard
+from spark_bench.checks import ConfigError, check_file, parse_shard, vocab_size
 from spark_bench.models import ModelConfig
 
 
 def check_benchmark(cfg: DictConfig, model: ModelConfig, sources: bool = True) -> None:
     """Refuses (:class:`~spark_bench.checks.ConfigError`, one line) a benchmark config the run would fail on:
     ``sources``: also resolve where hub data comes from (a dry run only reports it)."""
-    from spark_bench.benchmarks.export import read_samples
     from spark_bench.benchmarks.longbench import PROTOCOLS as LONGBENCH_PROTOCOLS
     from spark_bench.benchmarks.longbench import LONGBENCH_E_TASKS, TASKS as LONGBENCH_TASKS, hub_source, \
         read_records
@@ -28,14 +27,12 @@ def check_benchmark(cfg: DictConfig, model: ModelConfig, sources: bool = True) -
         raise ConfigError(f"benchmark.name={b.name!r} is not supported; valid: {', '.join(BENCHMARKS)}")
     if b.get("data_file"):
         check_file("benchmark.data_file", b.data_file)
-        try:
-            samples = read_samples(b.data_file)
-        except ValueError as err:
-            raise ConfigError(f"benchmark.data_file: {err}") from None
-        if not samples:
-            raise ConfigError(f"benchmark.data_file: {b.data_file} holds no samples")
-        check_token_ids(samples, model, "benchmark.data_file")
+        data_file_samples(cfg, model)
         return
+    if b.get("truncate", "refuse") != "refuse":
+        raise ConfigError(f"benchmark.truncate={b.truncate} applies to benchmark.data_file's samples only (RULER "
+                          f"refuses benchmark.length above the model's max_length, LongBench cuts its prompts to "
+                          f"longbench.max_length); drop it or set benchmark.data_file")
     if b.name == "ruler":
         unknown = [t for t in b.tasks if t not in RULER_TASKS]
         if unknown:
@@ -121,11 +118,29 @@ def _longbench(cfg: DictConfig, lm):
 BENCHMARKS = {"ruler": _ruler, "longbench": _longbench}
 
 
-def load_samples(cfg: DictConfig, lm):
-    from spark_bench.benchmarks.export import read_samples
+def data_file_samples(cfg: DictConfig, model: ModelConfig) -> list:
+    """``benchmark.data_file``'s samples, every record checked against the schema and the model
+    (:mod:`spark_bench.benchmarks.records`: types, ranges, unique ids, vocabulary, context with
+    ``benchmark.truncate``, the boundaries the configs' ``compress_scope`` needs); a bad or empty file is a
+    :class:`ConfigError` counting every problem in one line. The file is parsed once per run: the start-up check's
+    samples are the ones the run loads."""
+    from spark_bench.benchmarks.records import DataFileError, Limits, read_samples
+    from spark_bench.sweep import method_configs
 
+    scopes = frozenset(c.compress_scope for c in method_configs(cfg))
+    limits = Limits(model.name, model.max_length, vocab_size(model), cfg.benchmark.get("truncate", "refuse"), scopes)
+    try:
+        samples = read_samples(cfg.benchmark.data_file, limits)
+    except DataFileError as err:
+        raise ConfigError(f"benchmark.data_file: {err}") from None
+    if not samples:
+        raise ConfigError(f"benchmark.data_file: {cfg.benchmark.data_file} holds no samples")
+    return samples
+
+
+def load_samples(cfg: DictConfig, lm):
     if cfg.benchmark.get("data_file"):  # samples exported by spark-bench-export: rerun exactly
-        samples = read_samples(cfg.benchmark.data_file)
+        samples = data_file_samples(cfg, lm.config)
     else:
         samples = BENCHMARKS[cfg.benchmark.name](cfg, lm)
     shard = parse_shard(cfg.get("shard"))

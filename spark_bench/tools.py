@@ -24,6 +24,11 @@ LOG = logging.getLogger(__name__)
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _hydra_export(cfg: DictConfig) -> None:
+    with logs.last_resort("spark-bench-export"):  # inside the task: @hydra.main catches exceptions itself
+        _export(cfg)
+
+
+def _export(cfg: DictConfig) -> None:
     """Generate (or load) the benchmark's samples with the model's tokenizer and write them as JSONL."""
     from spark_bench.benchmarks.export import write_samples
 
@@ -49,6 +54,11 @@ def export() -> None:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _hydra_memory(cfg: DictConfig) -> None:
+    with logs.last_resort("spark-bench-memory"):  # inside the task: @hydra.main catches exceptions itself
+        _memory(cfg)
+
+
+def _memory(cfg: DictConfig) -> None:
     """Per method config: KV bytes per sequence and the largest batch under ``memory.cap_gib``; then the run's
     predicted peak per device, as ``spark-bench`` predicts it before loading the model (no model load)."""
     import dataclasses
@@ -82,6 +92,7 @@ def memory() -> None:
     checked("spark-bench-memory", _hydra_memory)
 
 
+@logs.last_resort("spark-bench-merge")
 def merge(argv: list[str] | None = None) -> None:
     """``spark-bench-merge DIR``: join ``DIR/shard-*-of-n`` into ``DIR`` (predictions, scores, table)."""
     from spark_bench.shards import merge_shards
@@ -90,11 +101,13 @@ def merge(argv: list[str] | None = None) -> None:
 
     parser = ArgumentParser(prog="spark-bench-merge", description=merge.__doc__)
     parser.add_argument("directory", type=Path)
+    parser.add_argument("--allow-mixed", action="store_true",
+                        help="merge shards that different spark-bench versions computed (refused otherwise)")
     logs.add_flags(parser)
     args = parser.parse_args(argv)
     logs.configure(args.verbosity, "spark-bench-merge")
     try:
-        n = merge_shards(args.directory)
+        n = merge_shards(args.directory, allow_mixed=args.allow_mixed)
     except (ValueError, FileNotFoundError) as err:
         print(f"spark-bench-merge: error: {err}", file=sys.stderr)
         sys.exit(2)

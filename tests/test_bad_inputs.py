@@ -39,7 +39,7 @@ def _data_file(tmp_path, records):
 
 def _sample(ids):
     return {"id": "s0", "task": "niah_single_1", "input_ids": ids, "answers": ["x"], "metric": "string_match_all",
-            "max_new_tokens": 4}
+            "max_new_tokens": 4, "context_end": 0, "question_end": len(ids)}
 
 
 def _model_dir(tmp_path, config):
@@ -140,6 +140,18 @@ BAD = {
     "data file empty": (lambda t: _data_file(t, []), "holds no samples"),
     "data file token ids outside the vocabulary": (lambda t: _data_file(t, [_sample([1, 2, 10 ** 7])]),
                                                    "token ids outside model tiny-llama's vocabulary (0 … 49151"),
+    # every record against one schema (issue 56; each kind of bad record: tests/test_data_file.py)
+    "data file duplicate ids": (lambda t: _data_file(t, [_sample([1]), _sample([2])]),
+                                "data.jsonl:2: id \"s0\" repeats line 1's (ids must be unique)"),
+    "data file answers a string": (lambda t: _data_file(t, [{**_sample([1]), "answers": "42"}]),
+                                   "data.jsonl:1: answers must be a non-empty list (a non-empty string each); got the "
+                                   "bare string \"42\""),
+    "data file sample longer than the context": (lambda t: _data_file(t, [_sample([1] * 4093)]),
+                                                 "data.jsonl:1: input_ids: sample s0: 4093 prompt tokens + "
+                                                 "max_new_tokens=4 = 4097 exceed model tiny-llama's max_length=4096; "
+                                                 "benchmark.truncate=middle cuts"),
+    "truncate without a data file": (["benchmark.truncate=middle"], "benchmark.truncate=middle applies to "
+                                                                    "benchmark.data_file's samples only"),
     "model dir empty": (lambda t: _model_dir(t, None), "has no config.json"),
     "model dir broken config": (lambda t: _model_dir(t, "{not json"), "config.json is not valid JSON"),
     "model dir without weights": (lambda t: _model_dir(t, '{"model_type": "llama"}'), "holds no weights"),
@@ -309,7 +321,8 @@ def test_a_damaged_run_directory_is_named_by_file_and_line(tmp_path, capsys):
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / "predictions.jsonl").write_text('{"id": "a"}\n{"id": "b", "sc\n{"id": "c"}\n')
+    whole = '{"config": "Full", "task": "t", "id": "%s", "method": {"name": "full"}, "score": 0}\n'
+    (run / "predictions.jsonl").write_text(whole % "a" + '{"id": "b", "sc\n' + whole % "c")
     with pytest.raises(SystemExit) as exit_:
         report([str(run)])
     err = capsys.readouterr().err.strip()

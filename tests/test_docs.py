@@ -209,9 +209,10 @@ def test_every_shell_command_in_the_docs_is_run_or_marked(tmp_path, monkeypatch,
             continue
         args = [a.replace("tests/fixtures", str(ROOT / "tests" / "fixtures")) for a in words[1:] if a != "--cfg"
                 and a != "job"]
-        if tool == "spark-bench-export":  # tiny sizes: the file the next command reruns
-            args += ["model=tiny-llama", "benchmark.tasks=[niah_single_1]", "benchmark.num_samples=1",
-                     "benchmark.length=512"]
+        if tool == "spark-bench-export":  # tiny sizes, the documented tasks (offline): the file the next command reruns
+            given = any(a.startswith("benchmark.tasks=") for a in args)
+            args += ["model=tiny-llama", *([] if given else ["benchmark.tasks=[niah_single_1]"]),
+                     "benchmark.num_samples=1", "benchmark.length=512"]
             from spark_bench import tools
 
             monkeypatch.setattr("sys.argv", [tool, *args])
@@ -254,3 +255,32 @@ def test_the_documented_gpu_peaks_are_the_planners():
     fullest = max(prediction.devices, key=lambda d: d.needed)
     assert (round(fullest.peak / memory.GIB, 2), prediction.decode_batch) == \
         (latest["table1"]["fullest_gib"], latest["table1"]["decode_batch"])
+
+
+def test_the_documented_memory_planner_figures_are_the_planners():
+    """The README's ``spark-bench-memory`` command and its figures (largest batch in 80 GiB per config), and
+    docs/development.md's, are what the planner gives for that very command line (its ``memory.seq_len``)."""
+    from spark_bench import memory as planner
+    from spark_bench.cli import validate
+    from spark_bench.commandline import compose
+
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [line for line in readme.splitlines() if "spark-bench-memory" in line and "#" in line]
+    command, _, comment = line.partition("  #")
+    args = command.split()[1:]
+    assert "memory.seq_len=8192" in args  # the figures hold at 8K tokens, not at the run's own prompt length
+    said = {label: int(n) for label, n in re.findall(r"(full|SparK\(0\.\d\)|SnapKV\+SparK\(0\.\d\)) (\d+)", comment)}
+    development = (ROOT / "docs" / "development.md").read_text()
+    found = re.search(r"At 8K tokens it gives full (\d+), SparK\(0\.5\) (\d+), SparK\(0\.8\) (\d+) and SnapKV\(50%\)"
+                      r"\+SparK\(0\.8\) (\d+)", development.replace("\n  ", " ").replace("On LLaMA-3.1-8B at", "At"))
+    assert len(said) == 3 and found, (comment, found)
+    cfg = compose(args)
+    model, configs = validate(cfg, sources=False)
+    names = {"full": "Full", "SparK(0.5)": "SparK(0.5)", "SparK(0.8)": "SparK(0.8)",
+             "SnapKV+SparK(0.8)": "SnapKV+SparK(0.8) @0.5"}
+    wanted = {c.label: c for c in configs if c.label in names.values()}
+    batch = {label: planner.plan(c, model, cfg.memory.seq_len, cfg.memory.gen_len, cfg.memory.cap_gib,
+                                 cfg.memory.overhead_gib).max_batch for label, c in wanted.items()}
+    assert {label: batch[names[label]] for label in said} == said
+    assert [batch[names[k]] for k in ("full", "SparK(0.5)", "SparK(0.8)", "SnapKV+SparK(0.8)")] == \
+        [int(n) for n in found.groups()]

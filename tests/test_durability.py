@@ -83,6 +83,9 @@ def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
     proc.wait()
     partial = predictions.read_text().splitlines()
     assert 2 <= len(partial) < 6 and not (tmp_path / "killed" / "table.md").exists()
+    # the session's record was written as it started: the kill leaves it, running, with no end
+    (killed,) = json.loads((tmp_path / "killed" / "manifest.json").read_text())["runs"]
+    assert (killed["status"], killed["ended"], killed["dtype"], killed["pid"]) == ("running", None, "float32", proc.pid)
     _report_says_the_run_is_incomplete(tmp_path / "killed", len(partial))
     # a damaged middle line: the resume names it and refuses (nothing changed), repair=true moves it aside
     lines = predictions.read_bytes().split(b"\n")
@@ -103,6 +106,8 @@ def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
     timings = [json.loads(line) for line in (tmp_path / "killed" / "timings.jsonl").read_text().splitlines()]
     # nothing computed twice (a kill between the two appends may lose one sample's timing line, never a prediction)
     assert len(timings) == len({(t["id"], t["config"]) for t in timings}) >= 5
+    runs = json.loads((tmp_path / "killed" / "manifest.json").read_text())["runs"]
+    assert [r["status"] for r in runs] == ["running", "finished"] and runs[0] == killed  # the refusal: no record
     again = cli(_sweep_args(tmp_path, "killed"), cwd=tmp_path)
     assert "6 of 6 predictions already done" in again.stderr
     other = cli([*_sweep_args(tmp_path, "killed"), "ratio=0.5"], cwd=tmp_path)

@@ -353,3 +353,42 @@ def test_unsorted_topk_selects_the_sorted_topk_set(ties):
             mask = SparK(ratio=1 - k / n, saliency="paper").kept_mask(scores)
             assert bool((mask.sum(-1) == k).all())
             assert torch.equal(mask.nonzero()[:, -1].view(2, 3, -1), expected)
+
+
+# ---- what SparK reads: the unread-option rule against what it computes -----------------------------------------------
+
+# each conditional option and two values for it (methods/config.py READ_WHEN)
+OTHER_VALUES = {"ratio": (0.5, 0.8), "top_p": (0.99, 0.5), "groups": (4, 5), "group_fork_fill": ("recovery", "zero"),
+                "constant": (0.01, 0.5), "seed": (0, 7), "recovery_stats": ("pruned", "all"),
+                "recovery": ("degenerate", "gaussian")}
+
+
+def test_spark_reads_exactly_what_the_unread_option_rule_says(tiny_prefill):
+    """For every variant under a recovery of each kind (and both SparK-g fills), changing an option changes what
+    SparK computes (the keys attention reads from its store) exactly when :func:`relevant_options` says the config reads it:
+    the refusal of unread options (``constant`` without ``recovery=constant``, ``top_p`` under ``variant=fixed``,
+    ``seed`` under the degenerate refill, ``recovery`` of a zero-filled SparK-g, …) is derived from the method."""
+    from spark_bench.methods.config import build_part, relevant_options
+
+    layer = tiny_prefill.layers[1]
+
+    def attention(cfg):  # the keys attention reads from SparK's store (kept entries and the refill)
+        return build_part("spark", cfg).compress_keys(layer.keys, layer, 1).materialize()
+
+    checked = 0
+    for variant, recovery, fill in itertools.product(("fixed", "top_p", "group", "group_fork"),
+                                                     ("degenerate", "gaussian", "constant", "fork_pool0",
+                                                      "fork_key_normal"), ("recovery", "zero")):
+        if fill == "zero" and variant != "group_fork":
+            continue
+        base = MethodConfig(name="spark", ratio=0.5, variant=variant, recovery=recovery, group_fork_fill=fill)
+        reads = relevant_options(base.to_dict())
+        reference = attention(base)
+        for option, values in OTHER_VALUES.items():
+            if option == "recovery" and "recovery" in reads:
+                continue  # another recovery is another row of this loop
+            value = values[1] if getattr(base, option) == values[0] else values[0]
+            changed = not torch.equal(attention(dataclasses.replace(base, **{option: value})), reference)
+            assert changed == (option in reads), (variant, recovery, fill, option, changed)
+            checked += 1
+    assert checked >= 150

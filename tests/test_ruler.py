@@ -118,7 +118,7 @@ def test_export_roundtrip(tiny_lm, tmp_path):
     assert read_samples(path) == samples
     assert "prompt" in json.loads(path.read_text().splitlines()[0])
     path.write_text(path.read_text() + '{"task": "x"}\n')
-    with pytest.raises(ValueError, match=r"ruler.jsonl:3: sample lacks field"):
+    with pytest.raises(ValueError, match=r"ruler.jsonl:3: id is missing \(required: a non-empty string\)"):
         read_samples(path)
 
 

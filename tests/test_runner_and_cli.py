@@ -291,3 +291,106 @@ def test_an_option_the_method_reads_or_leaves_at_its_default_is_accepted():
              ("window_size=16", "sweep.configs=[{name: full}, {name: snapkv, budget: 64}]"): ["Full", "SnapKV @64"]}
     for overrides, labels in cases.items():
         assert [c.label for c in method_configs(_compose(list(overrides)))] == labels, overrides
+
+
+# an option the config's own variant or recovery does not read (methods/config.py READ_WHEN): one line each
+UNREAD = {
+    ("method=spark", "ratio=0.5", "constant=0.5"):
+        "method: constant=0.5 is not read by spark with recovery=degenerate, so it would change nothing; constant "
+        "is read by spark (alone or after an eviction method, e.g. snapkv+spark); by spark only with "
+        "recovery=constant",
+    ("method=snapkv+spark", "budget=64", "variant=fixed", "ratio=0.5", "top_p=0.9"):
+        "method: top_p=0.9 is not read by snapkv+spark with variant=fixed, so",
+    ("method=spark", "variant=top_p", "ratio=0.8"): "method: ratio=0.8 is not read by spark with variant=top_p, "
+                                                    "recovery=degenerate, so it would change nothing",
+    ("method=spark", "variant=top_p", "groups=5"): "method: groups=5 is not read by spark with variant=top_p",
+    ("method=spark", "ratio=0.5", "seed=3"): "method: seed=3 is not read by spark with recovery=degenerate",
+    ("method=spark", "ratio=0.5", "recovery=constant", "recovery_stats=all"):
+        "method: recovery_stats=all is not read by spark with recovery=constant",
+    ("method=spark", "ratio=0.5", "group_fork_fill=recovery"):  # the official protocol's default is zero
+        "method: group_fork_fill=recovery is not read by spark with variant=fixed",
+    ("method=spark", "variant=group_fork", "recovery=gaussian"):  # zero-filled (official): no recovery at all
+        "method: recovery=gaussian is not read by spark with variant=group_fork, group_fork_fill=zero",
+    ("sweep.configs=[{name: spark, ratio: 0.5, top_p: 0.9}]",):
+        "sweep.configs[0]: top_p=0.9 is not read by spark with variant=fixed",
+    ("constant=0.5",): "constant=0.5: no entry of sweep.configs reads it (each sets its own, or its method ignores "
+                       "it), so it would change nothing; constant is read by spark",
+    # held out (audit of issue 56, /work/notes/audit56.md): options of another method part
+    ("method=snapkv", "budget=64", "value_score=norm"): "method: value_score=norm is not read by snapkv, so it would "
+                                                        "change nothing; value_score is read by any method, with "
+                                                        "value_ratio > 0",
+    ("method=streamingllm", "budget=64", "kernel_size=3"): "method: kernel_size=3 is not read by streamingllm",
+    ("method=streamingllm", "budget=64", "pooling=max"): "method: pooling=max is not read by streamingllm",
+    ("method=snapkv", "budget=64", "n_sink=2"): "method: n_sink=2 is not read by snapkv",
+    ("method=snapkv", "budget=64", "beta=8"): "method: beta=8 is not read by snapkv",
+    ("method=pyramidkv", "budget=64", "alpha_safeguard=0.3"): "method: alpha_safeguard=0.3 is not read by pyramidkv",
+    ("method=spark", "ratio=0.5", "think_keep_window=true"): "method: think_keep_window=true is not read by spark",
+    ("method=full", "budget_rounding=exact"): "method: budget_rounding=exact is not read by full",
+    ("method=tova", "budget=64", "window_size=32"): "method: window_size=32 is not read by tova",
+    ("method=snapkv+think", "budget=64", "ratio=0.5", "recovery=gaussian"):
+        "method: recovery=gaussian is not read by snapkv+think",
+    ("method=snapkv", "budget=64", "kvpress={compression_ratio: 0.5}"):
+        "method: kvpress={compression_ratio:0.5} is not read by snapkv",
+    ("sweep.configs=[{name: snapkv, budget: 64, n_sink: 2}]",): "sweep.configs[0]: n_sink=2 is not read by snapkv",
+}
+
+
+@pytest.mark.parametrize("overrides", list(UNREAD))
+def test_every_option_a_config_does_not_read_is_refused(overrides):
+    with pytest.raises(ConfigError) as refused:
+        method_configs(_compose(list(overrides)))
+    (line,) = str(refused.value).splitlines()
+    assert UNREAD[overrides] in line, line
+
+
+def test_options_a_variant_or_recovery_reads_are_accepted():
+    cases = {("method=spark", "ratio=0.5", "recovery=constant", "constant=0.5"): "SparK(0.5)[constant]",
+             ("method=spark", "variant=top_p", "top_p=0.9"): "SparK-p(0.9)",
+             ("method=spark", "variant=group", "groups=5"): "SparK-g(5)",
+             ("method=spark", "ratio=0.5", "recovery=gaussian", "seed=3", "recovery_stats=all"):
+                 "SparK(0.5)[gaussian][all-stats]",
+             ("method=spark", "variant=group_fork", "group_fork_fill=recovery", "recovery=gaussian", "top_p=0.9"):
+                 "SparK-g(fork)[gaussian]",
+             ("method=spark", "variant=top_p", "recovery=fork_pool0", "ratio=0.5"): "SparK-p(0.99)[fork_pool0]"}
+    for overrides, label in cases.items():
+        assert [c.label for c in method_configs(_compose(list(overrides)))] == [label], overrides
+
+
+@pytest.mark.parametrize("run", [".", "..", "./.", "a/..", "a/../..", "/tmp/abs", " ", ""])
+def test_a_run_name_that_is_not_a_directory_inside_output_root_is_refused(run):
+    """``run=.`` would write into ``output_root`` itself; ``..`` / absolute names outside it; empty: nowhere."""
+    from spark_bench.checks import check_options
+
+    with pytest.raises(ConfigError) as refused:
+        check_options(_compose([f"run={run}"] if run else ["run=''"]))
+    (line,) = str(refused.value).splitlines()
+    assert line.startswith(f"run={run}: must stay inside output_root=results (a relative name of a directory below "
+                           "it: not empty, not '.', without '..'); e.g. run=") or \
+        line == "run must be a non-empty string; got ''", line
+
+
+# held out (audit of issue 56): names the run would create that no directory listing shows right, or none can hold
+PLACES = {
+    "run with a tab": ("run", "a\tb", "run='a\\tb': holds the control character '\\t'; a directory name is printable "
+                                      "text"),
+    "run with a NUL": ("run", "a\0b", "run='a\\x00b': holds the control character '\\x00'"),
+    "run with a newline": ("run", "a\nb", "run='a\\nb': holds the control character '\\n'"),
+    "run too long": ("run", "x" * 300, "run='" + "x" * 59 + "…': has a part 300 bytes long; a directory name holds at "
+                                                             "most 255"),
+    "run too long in bytes": ("run", "é" * 130, "has a part 260 bytes long"),
+    "output_root with a tab": ("output_root", "/tmp/o\tx", "output_root/run: '/tmp/o\\tx/r' holds the control "
+                                                             "character '\\t'"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLACES))
+def test_a_place_no_directory_can_be_named_is_refused(case):
+    from pathlib import Path
+
+    from spark_bench.checks import check_inside, check_output
+
+    key, value, message = PLACES[case]
+    with pytest.raises(ConfigError) as refused:
+        check_inside("run", value, "output_root=results") if key == "run" else check_output(Path(value) / "r")
+    (line,) = str(refused.value).splitlines()
+    assert line.startswith(message) or message in line, line

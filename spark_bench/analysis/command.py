@@ -123,6 +123,11 @@ def prepare(cfg: DictConfig):
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _hydra_saliency(cfg: DictConfig) -> None:
+    with logs.last_resort("spark-bench-saliency"):  # inside the task: @hydra.main catches exceptions itself
+        _saliency(cfg)
+
+
+def _saliency(cfg: DictConfig) -> None:
     try:
         model_cfg, device, layer, head, out = prepare(cfg)
         lm = load_model(model_cfg, device)
@@ -171,6 +176,7 @@ def _memory_markdown(data: dict, paper: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+@logs.last_resort("spark-bench-figure2")
 def figure2(argv: list[str] | None = None) -> None:
     """``spark-bench-figure2``: Fig. 2c (``--observation2 RUN_DIR``) and the appendix memory figure (``--memory
     JSON``) into ``--out``."""

@@ -54,6 +54,21 @@ class Prompt:
                          "build it with spark_bench.prompt(tokenizer, context, question)")
 
 
+def cut_middle(ids, keep: int, end: int | None = None, context_end: int | None = None) -> Prompt:
+    """LongBench's middle truncation of token ids (the SparK fork's ``longbench.protocol=kvpress`` path): the first
+    ``end`` ids (the user turn; all of them when None) cut to their first and last ``keep // 2``, the ids after
+    ``end`` (end of turn, assistant header) kept. The boundaries move with the cut: ``question_end`` is the cut
+    turn's end (None when ``end`` was None); ``context_end`` (where the question starts) stays only when the question
+    survived whole in the kept tail, else None."""
+    turn = len(ids) if end is None else end
+    half = keep // 2
+    if turn <= 2 * half:
+        return Prompt(list(ids), context_end, end)
+    removed = turn - 2 * half
+    start = None if context_end is None or context_end - removed < half else context_end - removed
+    return Prompt(list(ids[:half]) + list(ids[turn - half:]), start, None if end is None else 2 * half)
+
+
 def scope_end(length: int, context_end: int | None, question_end: int | None, scope: str, what: str,
               fix: str) -> int:
     """Tokens compressed under ``compress_scope=scope``: ``prompt`` all ``length`` of them, ``question`` up to the
@@ -139,27 +154,53 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, answer_pre
                   _token_boundary(offsets, turn_end))
 
 
+def jsonl_records(path: Path):
+    """``(line number, record, None)`` for every non-blank line of a JSON-lines file, or ``(line number, None,
+    problem)`` for a line that is not UTF-8 text, not valid JSON, or an object that names a key twice (a byte-order
+    mark opening the file is skipped)."""
+    for lineno, raw in enumerate(Path(path).read_bytes().split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as err:
+            yield lineno, None, (f"not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1}): is it a "
+                                 f"JSON-lines file?")
+            continue
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line, object_pairs_hook=_unique_keys), None
+        except json.JSONDecodeError as err:
+            yield lineno, None, f"not valid JSON ({err.msg} at column {err.colno})"
+        except _RepeatedKey as err:
+            yield lineno, None, str(err)
+
+
+class _RepeatedKey(ValueError):
+    """A JSON object naming one key twice (``json`` would keep the last silently)."""
+
+
+def _unique_keys(pairs: list) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _RepeatedKey(f"the field {json.dumps(key)} is given twice in one object (JSON keeps only the last; "
+                               "give each field once)")
+        seen.add(key)
+    return dict(pairs)
+
+
 def read_jsonl(path: Path, required: tuple[str, ...], what: str, check=None) -> list[dict]:
     """The records of every non-blank line; a line that is not UTF-8 text or valid JSON, lacks a ``required`` field
     or fails ``check(record) -> error text | None`` raises ``ValueError`` naming the file and line (``what`` names
     the record kind in the message)."""
     records = []
-    for lineno, raw in enumerate(Path(path).read_bytes().split(b"\n"), 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
-                             f"{err.start + 1}): is it a JSON-lines file?") from None
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-        missing = [k for k in required if k not in record] if isinstance(record, dict) else list(required)
-        if missing:
-            raise ValueError(f"{path}:{lineno}: {what} lacks field(s) {missing}")
-        problem = check(record) if check else None
+    for lineno, record, problem in jsonl_records(path):
+        if problem is None:
+            missing = [k for k in required if k not in record] if isinstance(record, dict) else list(required)
+            if missing:
+                problem = f"{what} lacks field(s) {missing}"
+            else:
+                problem = check(record) if check else None
         if problem:
             raise ValueError(f"{path}:{lineno}: {problem}")
         records.append(record)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from spark_bench.methods.base import BUDGET_ROUNDINGS
 from spark_bench.methods.builtin import CHANNEL_METHODS, DISPLAY, EVICTION_METHODS, METHOD_NAMES, METHOD_OPTIONS
+from spark_bench.methods.channel.fork_recovery import FORK_MODES
 from spark_bench.methods.channel.recovery import RECOVERY_MODES, STATS
 from spark_bench.methods.channel.spark import GROUP_FORK_FILLS, GROUP_RATIOS, SALIENCY_DTYPES, SALIENCY_MODES, VARIANTS
 from spark_bench.methods.channel.value_norm import VALUE_FILLS, VALUE_SCORES
@@ -235,17 +236,58 @@ def option_names() -> tuple[str, ...]:
 def _option_text(value) -> str:
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):  # kvpress' pairs
+        return "{" + ", ".join(f"{k}:{_option_text(v)}" for k, v in value) + "}"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+# Options a method part reads only under some values of its other options (what SparK computes,
+# ``channel/spark.py`` via ``builtin.CHANNEL_METHODS``): part → selecting option → value → the options read then.
+# An option named under a selector is read only where the config's value of that selector names it; under
+# ``variant=group_fork`` with ``group_fork_fill=zero`` SparK fills the pruned entries with zeros, so its recovery
+# (and what the recovery reads) is not read at all.
+READ_WHEN = {
+    "spark": {
+        "variant": {"fixed": ("ratio",), "top_p": ("top_p",), "group": ("groups",),
+                    "group_fork": ("top_p", "group_fork_fill")},
+        "recovery": {"gaussian": ("recovery_stats", "seed"), "exponential": ("recovery_stats", "seed"),
+                     "constant": ("constant",), "fork_pool0": ("ratio",), **{m: ("seed",) for m in FORK_MODES}},
+    },
+}
+
+
+def _effective(part: str, method: dict) -> dict:
+    """``method``'s values as ``part`` applies them (SparK's zero-filled SparK-g reads no recovery)."""
+    if part == "spark" and method.get("variant") == "group_fork" and method.get("group_fork_fill") == "zero":
+        return {**method, "recovery": None}
+    return method
+
+
+def part_reads(part: str, method: dict) -> set[str]:
+    """The options the method part ``part`` reads under ``method``'s values (a :meth:`MethodConfig.to_dict`): its
+    own (:data:`METHOD_OPTIONS`; a kvpress press or one's own: :func:`_part_options`), less those
+    :data:`READ_WHEN` ties to selector values this config does not have."""
+    own = set(METHOD_OPTIONS.get(part, ()) or _part_options(part))
+    tables = READ_WHEN.get(part, {})
+    if not tables:
+        return own
+    values = _effective(part, {**MethodConfig().to_dict(), **method})
+    conditional = {k for table in tables.values() for keys in table.values() for k in keys}
+    selected = {k for selector, table in tables.items() for k in table.get(values.get(selector), ())}
+    unread = {selector for selector in tables if values.get(selector) is None}  # e.g. zero-filled SparK-g's recovery
+    return (own - conditional - unread) | (selected & own)
+
+
 def relevant_options(method: dict) -> set[str]:
-    """The options that matter for the method config ``method`` (a :meth:`MethodConfig.to_dict`): its parts' own,
-    plus the scope, the budget of an eviction method and the value pruning ratio."""
+    """The options that matter for the method config ``method`` (a :meth:`MethodConfig.to_dict`): what each of its
+    parts reads under its values (:func:`part_reads`: e.g. ``constant`` only under ``recovery=constant``,
+    ``top_p`` only under ``variant=top_p`` / ``group_fork``), plus the scope, the budget of an eviction method and
+    the value pruning ratio (its ``value_score`` / ``value_fill`` only when it is above 0)."""
     parts = str(method.get("name", "full")).split("+")
     keys = {"compress_scope", "value_ratio"} | ({"budget"} if part_kind(parts[0]) == "eviction" else set())
     if method.get("value_ratio"):
         keys |= {"value_score", "value_fill"}
-    return keys.union(*(METHOD_OPTIONS.get(p, ()) or _part_options(p) for p in parts))
+    return keys.union(*(part_reads(p, method) for p in parts))
 
 
 def _part_options(part: str) -> tuple[str, ...]:
@@ -291,7 +333,8 @@ def option_readers(key: str) -> str:
     """The methods that read option ``key`` (from :data:`METHOD_OPTIONS` and :func:`relevant_options`), in words."""
     if key in ("value_score", "value_fill"):
         return "any method, with value_ratio > 0"
-    parts = [p for p in (*EVICTION_METHODS, *CHANNEL_METHODS) if key in relevant_options({"name": p, "value_ratio": 1})]
+    parts = [p for p in (*EVICTION_METHODS, *CHANNEL_METHODS)
+             if key in relevant_options({"name": p, "value_ratio": 1}) or _conditions(p, key)]
     channel_only = all(p in CHANNEL_METHODS for p in parts)
     if key in _part_options(kvpress_scorer.PREFIX) or key == "budget":
         parts.append(f"{kvpress_scorer.PREFIX}<press>")
@@ -301,19 +344,37 @@ def option_readers(key: str) -> str:
     return f"{', '.join(parts)} ({how})"
 
 
+def _conditions(part: str, key: str) -> str:
+    """``variant=fixed or recovery=fork_pool0`` when ``part`` reads option ``key`` only under some values of its
+    selectors (:data:`READ_WHEN`), else ''."""
+    return " or ".join(f"{selector}={'/'.join(v for v, keys in table.items() if key in keys)}"
+                       for selector, table in READ_WHEN.get(part, {}).items()
+                       if any(key in keys for keys in table.values()))
+
+
 def unread_option(config: "MethodConfig", explicit) -> str | None:
     """The one rule for options a method does not read (CLI, sweep files, multiruns, library): of the ``explicit``
     options (those set away from their defaults), the first one ``config``'s method ignores (not in
     :func:`relevant_options`: e.g. ``ratio`` on ``snapkv``, ``budget`` on ``full``, ``variant`` on ``+think``) gives
     the refusal's text, naming it and the methods that read it; None when every one is read. ``ratio=0`` is the
     base method of any method, so it is never refused."""
-    relevant = relevant_options(config.to_dict())
+    method = config.to_dict()
+    relevant = relevant_options(method)
     for key in explicit:
         value = getattr(config, key)
         if key in relevant or (key == "ratio" and not value):
             continue
-        return (f"{key}={_option_text(value)} is not read by {config.name}, so it would change nothing; "
-                f"{key} is read by {option_readers(key)}")
+        parts = config.name.split("+")
+        under = [f"{selector}={_option_text(method.get(selector))}" for p in parts if _conditions(p, key)
+                 for selector, table in READ_WHEN[p].items() if any(key in keys for keys in table.values())]
+        if "spark" in parts and _effective("spark", method).get("recovery") is None and key in (
+                "recovery", *READ_WHEN["spark"]["recovery"].get(method.get("recovery"), ())):
+            under = ["variant=group_fork", "group_fork_fill=zero"]  # zero-filled: no recovery at all
+        where = f" with {', '.join(dict.fromkeys(under))}" if under else ""
+        only = "".join(f"; by {p} only with {_conditions(p, key)}" for p in dict.fromkeys(parts)
+                       if _conditions(p, key))
+        return (f"{key}={_option_text(value)} is not read by {config.name}{where}, so it would change nothing; "
+                f"{key} is read by {option_readers(key)}{only}")
     return None
 
 

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from spark_bench.engine.clock import synchronize
 from spark_bench.engine.cache import CompressedCache, StoredLayer
 from spark_bench.engine.prefill import LayerPrefill, Prefill, QueryStatsSpec
-from spark_bench.methods.base import ChannelMethod, EvictionMethod, gather_tokens
+from spark_bench import usercode
+from spark_bench.methods import registry
+from spark_bench.methods.base import ChannelMethod, EvictionMethod, gather_tokens, selection_problem
 from spark_bench.methods.builtin import CHANNEL_METHODS, DISPLAY, EVICTION_METHODS, METHOD_NAMES, METHOD_OPTIONS
 from spark_bench.methods.channel.value_norm import ValueNorm
 from spark_bench.methods.config import (
@@ -77,8 +79,9 @@ class Pipeline:
             return selections[self.eviction]
         start, n = time.perf_counter(), len(prefill.layers)
         evicted = []
+        own = registry.is_own(self.eviction)
         for i, layer in enumerate(prefill.layers):
-            selection = self.eviction.select(layer, i, n)
+            selection = self._checked_select(layer, i, n) if own else self.eviction.select(layer, i, n)
             evicted.append((layer.keys, layer.values, None) if selection is None else (
                 gather_tokens(layer.keys, selection.indices), gather_tokens(layer.values, selection.indices),
                 selection.valid))
@@ -88,9 +91,43 @@ class Pipeline:
             selections[self.eviction] = result
         return result
 
+    def _checked_select(self, layer: LayerPrefill, layer_idx: int, num_layers: int):
+        """A method of one's own's ``select`` through the user-code boundary (:func:`spark_bench.usercode.call`):
+        what it raises, or a selection that is not a valid :class:`~spark_bench.methods.base.TokenSelection`
+        (:func:`~spark_bench.methods.base.selection_problem`), is one :class:`~spark_bench.usercode.UserCodeError`
+        line naming the method, the layer and what was wrong (the runner adds the sample). The paper's methods are
+        not checked on this hot path (their tests check them by the same rule)."""
+        name, what = self.config.eviction_name, f"select() in layer {layer_idx}"
+        selection = usercode.call(name, what, self.eviction.select, layer, layer_idx, num_layers)
+        b, h, s = layer.keys.shape[:3]
+        problem = selection_problem(selection, b, h, s, layer.keys.device)
+        if problem:
+            raise usercode.UserCodeError(f"{what} {problem} (TokenSelection, spark_bench/methods/base.py)", name)
+        return selection
+
+    def _checked_keys(self, keys, layer: LayerPrefill, layer_idx: int):
+        """A channel method of one's own's ``compress_keys`` through the boundary: what it raises, or a result
+        that is not a store of the keys' shape, is one :class:`~spark_bench.usercode.UserCodeError` line."""
+        name, what = self.config.channel_name, f"compress_keys() in layer {layer_idx}"
+        store = usercode.call(name, what, self.channel.compress_keys, keys, layer, layer_idx)
+        missing = [a for a in ("shape", "materialize", "logits", "nbytes") if not hasattr(store, a)]
+        if missing or isinstance(store, type):
+            lacks = f"it lacks {', '.join(missing)}" if missing else "a class, not an object"
+            raise usercode.UserCodeError(f"{what} returned {type(store).__name__}, not a key store ({lacks}; "
+                                         "spark_bench/storage/stores.py)", name)
+        shape = usercode.call(name, f"{what}: the store's shape", lambda: tuple(store.shape))
+        if shape != tuple(keys.shape):
+            raise usercode.UserCodeError(f"{what} returned a store of shape {shape} for keys of shape "
+                                         f"{tuple(keys.shape)}; a store holds every key it is given", name)
+        return store
+
     def compress_layer(self, layer: LayerPrefill, layer_idx: int, keys, values, valid) -> StoredLayer:
-        """Prune the key channels (and values) of one layer's evicted ``keys`` / ``values``."""
-        key_store = self.channel.compress_keys(keys, layer, layer_idx) if self.channel else DenseStore(keys)
+        """Prune the key channels (and values) of one layer's evicted ``keys`` / ``values`` (a channel method of
+        one's own through :meth:`_checked_keys`)."""
+        if self.channel is not None and registry.is_own(self.channel):
+            key_store = self._checked_keys(keys, layer, layer_idx)
+        else:
+            key_store = self.channel.compress_keys(keys, layer, layer_idx) if self.channel else DenseStore(keys)
         value_store = self.values.compress_values(values) if self.values else DenseStore(values)
         return StoredLayer(key_store, value_store, valid)
 

@@ -24,7 +24,7 @@ from spark_bench.report.frame import completeness, read_paper_csv, read_runs, re
 from spark_bench.report.layouts import LAYOUTS, Layout
 from spark_bench.report.paper import paper_table, paper_tables
 from spark_bench.report.render import to_csv, to_latex, to_markdown
-from spark_bench.report.setup import fast_path_note, sample_note
+from spark_bench.report.setup import fast_path_note, provenance_differences, provenance_note, sample_note
 
 LOG = logging.getLogger(__name__)
 FORMATS = {"md": to_markdown, "csv": to_csv, "tex": to_latex}
@@ -67,6 +67,7 @@ def build(inputs: list[str], layout: Layout, ci: bool = False, resamples: int = 
     return pd.concat(frames, ignore_index=True)
 
 
+@logs.last_resort("spark-bench-report")
 def main(argv: list[str] | None = None) -> None:
     from spark_bench.commandline import ArgumentParser  # a bad flag: one line, exit 2
 
@@ -105,6 +106,10 @@ def main(argv: list[str] | None = None) -> None:
             return
         if not args.inputs:
             raise ValueError("no inputs: give results directories and/or paper:<table>")
+        if args.out:  # a file in its place, or an unwritable parent: refused before anything is computed
+            from spark_bench.checks import check_output
+
+            check_output(args.out, "--out")
         layout = LAYOUTS[args.layout]
         frame = build(args.inputs, layout, args.ci, args.resamples, args.seed, args.metric)
         paper = read_paper_csv(args.paper) if args.paper else None
@@ -129,12 +134,15 @@ def main(argv: list[str] | None = None) -> None:
     for line in incomplete + [f"not like with like: {line}" for line in unlike]:
         LOG.warning(f"warning: {line}")
     predictions = load_predictions(runs) if runs else None
-    notes = []
+    notes = [differ] if (differ := provenance_differences(runs)) else []  # software or machine differ: said once
+    if differ:
+        LOG.warning(f"warning: {differ}")
     for i, run in enumerate(runs):  # each task's fewest samples in a cell, against the paper's count
         fewest = predictions[predictions.run == i].groupby(["config", "task"], sort=False).size().groupby(
             "task", sort=False).min()
         notes.append(sample_note(run, fewest.to_dict()))
         notes.append(fast_path_note(run))  # which decode paths computed its numbers
+        notes.append(provenance_note(run))  # the software and machine behind them
     header = "".join(f"**{line[0].upper()}{line[1:]}**\n\n" for line in incomplete)
     header += "".join(f"{line}\n\n" for line in notes if line)
     header += "".join(f"{line}\n\n" for line in setups if line)

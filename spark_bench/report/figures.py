@@ -36,19 +36,28 @@ def save(fig, path: Path) -> Path:
 
 def load_predictions(directories) -> pd.DataFrame:
     """The runs' predictions, each with its timings (``timings.jsonl``: NaN where a run has none) and ``run`` (the
-    index of its directory)."""
+    index of its directory); a config label two runs share is told apart by what differs
+    (:func:`~spark_bench.report.frame.run_tags`), so per-config tables keep both."""
     frames = []
     for i, directory in enumerate(directories):
         path = Path(directory) / "predictions.jsonl"
         preds = pd.DataFrame(parse_records(path, path.read_bytes()))
         timings = Path(directory) / "timings.jsonl"
-        if timings.exists():
-            times = pd.DataFrame(parse_records(timings, timings.read_bytes()))
+        times = pd.DataFrame(parse_records(timings, timings.read_bytes())) if timings.exists() else pd.DataFrame()
+        if not times.empty:
+            times = times.drop_duplicates(["id", "config"], keep="last")  # one line per prediction (the latest)
             kept = [f for f in TIMING_FIELDS if f in times]  # runs before a field was timed lack it (warmup_s)
             preds = preds.merge(times[["id", "config", *kept]], on=["id", "config"], how="left")
         preds = preds.reindex(columns=[*preds.columns, *(f for f in TIMING_FIELDS if f not in preds)])
         frames.append(preds.assign(run=i))  # the index of the run in ``directories``
     preds = pd.concat(frames, ignore_index=True)
+    from spark_bench.report.frame import run_tags, with_tags
+
+    firsts = preds.drop_duplicates(["run", "config"])
+    entries = [(run, (config,), method) for run, config, method in zip(firsts.run, firsts.config, firsts.method)]
+    renamed = {(run, key[0]): with_tags(key[0], tag) for (run, key, _), tag in zip(entries, run_tags(
+        entries, list(directories)))}
+    preds["config"] = [renamed[run, config] for run, config in zip(preds.run, preds.config)]
     method = pd.DataFrame(list(preds.method))
     return preds.assign(name=method.name, ratio=method.ratio, recovery=method.recovery, budget=method.budget)
 

@@ -112,6 +112,74 @@ RECOVERY_NAMES = {"gaussian": "Normal", "exponential": "Exponential", "degenerat
                   "fork_key_exponential": "Exponential (official code, key values)"}
 
 
+def with_tags(label: str, tags: list[str]) -> str:
+    """``label`` with ``key=value`` tags added to its bracket (``SnapKV @64 [window_size=64]`` + ``model=x`` →
+    ``SnapKV @64 [window_size=64, model=x]``), the form :mod:`~spark_bench.report.compare` reads rows' options
+    from."""
+    if not tags:
+        return label
+    if label.endswith("]") and " [" in label and "=" in label[label.rindex(" ["):]:
+        return f"{label[:-1]}, {', '.join(tags)}]"
+    return f"{label} [{', '.join(tags)}]"
+
+
+def run_tags(entries: list[tuple[int, tuple, dict]], directories) -> list[list[str]]:
+    """For rows of several runs (``(run index, row key, method config)``), the tags that tell apart rows two runs
+    would otherwise share (a table keeps one cell per key): the method options that matter to them and differ, else
+    what differs in the runs' setups (model, benchmark, context, protocol), else the run directory. ``[]`` for a row
+    no other run shares. ``ValueError`` (one line) when nothing tells them apart (one run given twice)."""
+    from spark_bench.methods.pipeline import relevant_options
+    from spark_bench.report.setup import run_setup
+
+    members: dict = {}
+    for n, (run, key, _) in enumerate(entries):
+        members.setdefault(key, []).append(n)
+    tags: list[list[str]] = [[] for _ in entries]
+    setups: dict = {}
+    for key, rows in members.items():
+        if len({entries[n][0] for n in rows}) < 2:
+            continue
+        methods = [entries[n][2] for n in rows]
+        options = [k for k in methods[0] if k in relevant_options(methods[0])
+                   and len({repr(m.get(k)) for m in methods}) > 1]
+        for n in rows:
+            run = entries[n][0]
+            setups.setdefault(run, run_setup(directories[run]) or {})
+        fields = [f for f in ("model", "benchmark", "context", "protocol")
+                  if len({repr(setups[entries[n][0]].get(f)) for n in rows}) > 1]
+        for n in rows:
+            method, setup = entries[n][2], setups[entries[n][0]]
+            tags[n] = [f"{k}={_text(method.get(k))}" for k in options] + [f"{f}={setup.get(f)}" for f in fields]
+        if not options and not fields:
+            names = [Path(directories[entries[n][0]]).name for n in rows]
+            if len(set(names)) < len(names):
+                names = [str(directories[entries[n][0]]) for n in rows]
+            if len(set(names)) < len(names):
+                raise ValueError(f"{names[0]} is given more than once (its row {' / '.join(map(str, key))} would "
+                                 f"be shown once); give each run once")
+            for n, name in zip(rows, names):
+                tags[n] = [f"run={name}"]
+    return tags
+
+
+def _text(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def runs_config_rows(directories, loaded: list[pd.DataFrame]) -> list[list[tuple[pd.DataFrame, str, str, str]]]:
+    """:func:`config_rows` of each run (``loaded``: their predictions), rows that two runs share told apart
+    (:func:`run_tags`)."""
+    rows = [(i, *row) for i, preds in enumerate(loaded) for row in config_rows(preds)]
+    tags = run_tags([(i, (block, base, method), group.iloc[0]["method"]) for i, group, block, base, method in rows],
+                    directories)
+    out: list[list] = [[] for _ in loaded]
+    for (i, group, block, base, method), tag in zip(rows, tags):
+        out[i].append((group, block, base, with_tags(method, tag)))
+    return out
+
+
 def _load(directory) -> pd.DataFrame:
     path = Path(directory) / "predictions.jsonl"
     if not path.exists():
@@ -143,18 +211,22 @@ def ablation_cell(m: dict, kind: str) -> tuple[str, str, str] | None:
 def read_ablation(directories, kind: str) -> pd.DataFrame:
     """Runs in the ablation layouts: ``dist`` (rows Normal/Exponential/Degenerate per ratio) or ``variants``
     (SparK / SparK-p / SparK-g rows with the achieved ``Overall ratio``); each cell the mean over tasks."""
-    rows = []
-    for directory in directories:
+    cells = []
+    for run, directory in enumerate(directories):
         preds = _load(directory)
         for _, group in preds.groupby("config", sort=False):
             cell = ablation_cell(group.iloc[0]["method"], kind)
-            if cell is None:
-                continue
-            block, label, column = cell
-            avg = group.groupby("task").score.mean().mean()
-            rows.append((block, "", label, column, avg))
-            if kind != "dist":
-                rows.append((block, "", label, "Overall ratio", group.key_ratio.mean()))
+            if cell is not None:
+                cells.append((run, cell, group))
+    tags = run_tags([(run, (block, label, column), group.iloc[0]["method"]) for run, (block, label, column), group
+                     in cells], directories)
+    rows = []
+    for (_, (block, label, column), group), tag in zip(cells, tags):
+        label = with_tags(label, tag)
+        avg = group.groupby("task").score.mean().mean()
+        rows.append((block, "", label, column, avg))
+        if kind != "dist":
+            rows.append((block, "", label, "Overall ratio", group.key_ratio.mean()))
     frame = pd.DataFrame(rows, columns=COLUMNS)
     # the overall ratio is one number per variant: its mean over budgets
     ratio = frame.column == "Overall ratio"
@@ -195,11 +267,11 @@ def read_runs(directories, layout: Layout) -> pd.DataFrame:
     if layout.name in ("dist", "variants"):
         return read_ablation(directories, layout.name)
     rows = []
-    for directory in directories:
-        preds = _load(directory)
+    loaded = [_load(directory) for directory in directories]
+    for directory, told in zip(directories, runs_config_rows(directories, loaded)):
         plan = expected(directory)
         per_task = pd.Series([t for _, t in plan["samples"]]).value_counts().to_dict() if plan else {}
-        for group, block, base, method in config_rows(preds):
+        for group, block, base, method in told:
             short = False
             for task, scores in group.groupby("task", sort=False):
                 column = (layout.task_names or {}).get(task, task)
@@ -227,9 +299,9 @@ def read_sample_scores(directories, layout: Layout) -> pd.DataFrame:
     (``answer_nll``, ``kl_full``, ``agree_full``; NaN where a run did not measure them). The statistics of
     :mod:`spark_bench.report.stats` resample these."""
     frames = []
-    for directory in directories:
-        preds = _load(directory)
-        for group, block, base, method in config_rows(preds):
+    loaded = [_load(directory) for directory in directories]
+    for told in runs_config_rows(directories, loaded):
+        for group, block, base, method in told:
             frames.append(pd.DataFrame({
                 "block": block, "group": base, "method": method,
                 "column": group.task.map(lambda t: (layout.task_names or {}).get(t, t)), "id": group.id,

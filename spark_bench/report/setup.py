@@ -8,10 +8,11 @@ paper's captions and §5 / Appendix C–E); :func:`differences` reads a run's ow
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from spark_bench.results import read_manifest
+from spark_bench.results import manifest_records, read_manifest
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Setup:
     protocol: str = "official"
 
 
+LOG = logging.getLogger(__name__)
 _LB_BUDGETS = (128, 512, 1024, 2048)
 PAPER_SETUP = {
     "tab_main": Setup("llama3-8b", "longbench", 7950, (128, 512)),
@@ -70,12 +72,54 @@ def sample_note(directory, counts: dict) -> str:
 def fast_path_note(directory) -> str:
     """``<run>: decode: numbers from …``: which decode paths computed a run's predictions — the fast paths, checked
     against their reference at first use, or the reference after one differed (its manifest's ``fast_paths``, one
-    record per session: :mod:`spark_bench.engine.fastpaths`); '' where the manifest does not say."""
+    record per session: :mod:`spark_bench.engine.fastpaths`); '' where the manifest does not say. A damaged
+    ``fast_paths`` (not a list of records) is named in one line (a warning) and its whole records are read."""
     path = Path(directory) / "manifest.json"
     if not path.is_file():
         return ""
-    said = list(dict.fromkeys(r.get("numbers_from", "") for r in read_manifest(path).get("fast_paths") or []))
+    records, problem = manifest_records(read_manifest(path), "fast_paths", path)
+    if problem:
+        LOG.warning(f"warning: {problem}")
+    said = list(dict.fromkeys(str(r.get("numbers_from", "")) for r in records if r.get("numbers_from")))
     return f"{directory}: decode: {' / '.join(said)}" if said else ""
+
+
+def sessions(directory) -> list[dict]:
+    """The session records of a run (its manifest's ``runs``: :mod:`spark_bench.provenance`), or of its shards
+    for a merged run; ``[{}]`` (unknown) for a run written before spark-bench recorded them."""
+    from spark_bench.shards import shard_sessions
+
+    path = Path(directory) / "manifest.json"
+    if path.is_file():
+        records, problem = manifest_records(read_manifest(path), "runs", path)
+        if problem:
+            LOG.warning(f"warning: {problem}")
+        return records or [{}]
+    if Path(directory).is_dir():
+        return [r for _, r in shard_sessions(Path(directory))] or [{}]
+    return [{}]
+
+
+def provenance_note(directory) -> str:
+    """``<run>: made by spark-bench …; torch …; device; dtype; host, start → end`` (its sessions' distinct setups
+    joined by `` | ``), or ``<run>: provenance unknown (…)`` for a run written before spark-bench recorded it."""
+    from spark_bench import provenance
+
+    records = sessions(directory)
+    if not any(isinstance(r.get("spark_bench"), dict) for r in records):
+        return f"{directory}: provenance unknown (written before spark-bench recorded its version and machine)"
+    lines = list(dict.fromkeys(provenance.summary(r) for r in records))
+    return f"{directory}: made by " + " | ".join(lines)
+
+
+def provenance_differences(directories) -> str:
+    """One line saying in what the runs' sessions differ (:data:`spark_bench.provenance.COMPARED`), '' if in
+    nothing."""
+    from spark_bench import provenance
+
+    named = [(str(d), r) for d in directories for r in sessions(d)]
+    differ = provenance.differences(named)
+    return f"the runs' provenance differs: {'; '.join(differ)}" if differ else ""
 
 
 def paper_setup(name: str) -> tuple[Setup | None, int | None]:
@@ -91,7 +135,8 @@ def run_setup(directory) -> dict | None:
     path = Path(directory) / "manifest.json"
     if not path.exists():
         return None
-    payload = read_manifest(path).get("payload", {})
+    payload = read_manifest(path).get("payload")
+    payload = payload if isinstance(payload, dict) else {}
     model = payload.get("model") or {}
     if not isinstance(model, dict):  # a library run's payload names the model only
         model = {"name": model}
@@ -102,10 +147,21 @@ def run_setup(directory) -> dict | None:
             (model["max_length"] - 500 if model.get("max_length") else None)
     else:
         context = bench.get("length")
-    configs = payload.get("configs") or []
-    budgets = tuple(sorted({c["budget"] for c in configs if c.get("name", "full") != "full"}))
+    configs = [c for c in payload.get("configs") or [] if isinstance(c, dict)]
+    budgets = tuple(sorted({c["budget"] for c in configs if "budget" in c and _reads_budget(c)}))
     return {"model": model.get("name"), "benchmark": name, "context": context,
             "budgets": budgets, "protocol": _protocol(configs)}
+
+
+def _reads_budget(method: dict) -> bool:
+    """Whether a config's method reads its budget (an eviction method; ThinK / SparK alone and ``full`` do not, so
+    their default budget is no budget of the run's)."""
+    from spark_bench.methods.config import relevant_options
+
+    try:
+        return "budget" in relevant_options(method)
+    except (TypeError, ValueError):
+        return method.get("name", "full") != "full"
 
 
 def _protocol(configs: list[dict]) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from spark_bench.benchmarks.base import Prompt, Sample, encode_prompt, read_jsonl
+from spark_bench.benchmarks.base import Prompt, Sample, cut_middle, encode_prompt, read_jsonl
 from spark_bench.models import LoadedModel, ModelConfig
 
 _QA_MULTI = ("Answer the question based on the given passages. Only give me the answer and do not output any other "
@@ -166,13 +166,10 @@ def _kvpress_prompt(prompt: str, question: str, spec: LongBenchTask, lm: LoadedM
     chat = bool(lm.config.chat_template and spec.chat and tok.chat_template)
     encoded = encode_prompt(tok, prompt, "" if chat else "\n", chat_template=chat,
                             question_at=_question_at(prompt, question), bos=False)
-    ids, turn = encoded.ids, encoded.question_end
-    if turn <= max_length:
+    if encoded.question_end <= max_length:
         return encoded, False, True
-    half = max_length // 2
-    context_end = encoded.context_end - (turn - 2 * half)  # the middle of the user turn is dropped
-    whole = context_end >= half
-    return Prompt(ids[:half] + ids[turn - half:], context_end if whole else 2 * half, 2 * half), True, whole
+    cut = cut_middle(encoded.ids, max_length, encoded.question_end, encoded.context_end)  # the turn's middle dropped
+    return cut, True, cut.context_end is not None
 
 
 def build_sample(task: str, record: dict, index: int, lm: LoadedModel, max_length: int,

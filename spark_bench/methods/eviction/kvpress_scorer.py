@@ -68,11 +68,9 @@ def press_class(name: str) -> type:
     """The press class of ``kvpress:<name>``: a short name (:func:`press_classes`), a class name
     (``KnormPress``), or a dotted path to a press defined elsewhere (``my_package.presses.MyPress``)."""
     if "." in name:
-        module, _, attr = name.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"method kvpress:{name}: cannot import {name} ({err})") from None
+        from spark_bench.usercode import import_object  # the one boundary the user's code enters through
+
+        cls = import_object(name, f"method kvpress:{name}")
         base = _kvpress().presses.base_press.BasePress
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise ValueError(f"method kvpress:{name}: {name} is not a kvpress press (a BasePress subclass)")
@@ -102,15 +100,19 @@ def build_press(name: str, options: dict, budget: float):
     names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     unknown = sorted(set(options) - names)
     if unknown:
-        raise ValueError(f"kvpress: {cls.__name__} has no option(s) {unknown}; valid: {sorted(names)}")
+        raise ValueError(f"kvpress: {cls.__name__} has no option {' or '.join(unknown)}; its options: "
+                         f"{', '.join(sorted(names)) or 'none'} (kvpress={{option:value}})")
     args = dict(options)
     if "compression_ratio" in names and "compression_ratio" not in args:
         args["compression_ratio"] = 1 - budget if budget < 1 else 0.0
     try:
         return cls(**args)
-    except (TypeError, AssertionError, ValueError) as err:
-        raise ValueError(f"method kvpress:{name}: {cls.__name__}({', '.join(f'{k}={v!r}' for k, v in args.items())}) "
-                         f"failed: {err or type(err).__name__}") from None
+    except Exception as err:  # noqa: BLE001 — the press' own checks (asserts, a press of the user's: anything)
+        from spark_bench.usercode import describe_exception
+
+        given = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in args.items())
+        raise ValueError(f"method kvpress:{name}: {cls.__name__}({given}) failed: "
+                         f"{describe_exception(err)}") from None
 
 
 def _scores_tokens(press) -> bool:
