@@ -42,7 +42,8 @@ test: $(STAMP)
 # tests and the fused kernel's (under that triton's interpreter, and compiled for sm_80/sm_90). torch's wheels are
 # downloaded once into COMPAT_WHEELS (shared with scripts/gpu/ci_node.sh). `make demo` / `make test` keep the lock.
 COMPAT_TESTS = tests/test_library.py tests/test_engine.py tests/test_methods.py tests/test_kvpress.py \
-	tests/test_external_method.py tests/test_docs.py::test_the_kvpress_snippet_runs
+	tests/test_external_method.py tests/test_docs.py::test_the_kvpress_snippet_runs \
+	tests/test_kvpress_format.py
 TRITON_TESTS = tests/test_fused_decode.py tests/test_stacking.py tests/test_fast_paths.py \
 	tests/test_gpu_compile.py::test_kernel_compiles_for_the_gpu_as_launched
 COMPAT_WHEELS ?= $(HOME)/.cache/spark-bench/wheels
@@ -92,6 +93,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench/ops.py
 	$(BIN)/python scripts/bench/decode.py
 	$(BIN)/python scripts/bench/decode.py --stacking-repeats 3 --out results/bench/decode_stacking.json
+	$(BIN)/python scripts/bench/fidelity_cost.py
 	$(BIN)/python scripts/bench/summary.py
 
 # Paper tables: run the experiment, then its report beside the paper's numbers (the paper's tables ship inside the

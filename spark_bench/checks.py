@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 # changes only them (a smaller decode batch after running out of memory, another device, progress off) resumes
 OPERATIONAL_KEYS = ("run", "output_root", "dry_run", "progress", "wait_lock", "repair", "hub_timeout_s", "tracking",
                     "export_path", "decode_batch", "decode_samples", "decode_stack", "decode_graph", "device", "shard",
-                    "memory", "analysis", "hydra")
+                    "memory", "analysis", "leank_train", "hydra", "fidelity")  # fidelity=false: the same study, measured less
 
 
 def config_hash(*, _root_: DictConfig) -> str:

@@ -69,6 +69,12 @@ def _validate(cfg: DictConfig, sources: bool, model_sources: bool = True) -> tup
         sweep_labels(configs)
     except ValueError as err:
         raise ConfigError(f"sweep.configs: {err}") from None
+    try:  # a LeanK mask file against the model's shape (methods/channel/leank.py)
+        from spark_bench.methods.channel.leank import check_configs
+
+        check_configs(configs, model)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     parse_shard(cfg.get("shard"))
     from spark_bench import tracking
 
@@ -215,7 +221,7 @@ def plan_cost(cfg: DictConfig, model_cfg: ModelConfig, configs: list[MethodConfi
     else:
         work = plan.ruler_work(cfg, benchmark_tasks(cfg))
         prompt = int(cfg.benchmark.length)
-    return work, plan.estimate(model_cfg, configs, work, prompt)
+    return work, plan.estimate(model_cfg, configs, work, prompt, fidelity=bool(cfg.get("fidelity", True)))
 
 
 @contextmanager
@@ -299,7 +305,8 @@ def _compute(cfg: DictConfig, out_dir: Path, model_cfg: ModelConfig, configs: li
         predictions = run_sweep(lm, samples, configs, out_dir, payload=payload,
                                 progress=bool(cfg.get("progress", True)),
                                 decode_batch=decode_batch, decode_samples=cfg.get("decode_samples", 1),
-                                decode_stack=cfg.get("decode_stack", True), decode_graph=cfg.get("decode_graph", True))
+                                decode_stack=cfg.get("decode_stack", True), decode_graph=cfg.get("decode_graph", True),
+                                fidelity=cfg.get("fidelity", True))
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
         if not complete:
             memory.write_report(out_dir / "memory.json", prediction, predictions, loaded)
@@ -361,7 +368,8 @@ def run(cfg: DictConfig, out_dir: Path) -> None:
             results = ResultsDir(out_dir, payload, upgrade.same_study)
             for line in results.check_files(repair=bool(cfg.get("repair", False))):
                 LOG.warning(line)
-            complete = results.complete([s.id for s in samples], labels, runner.CACHE_FIELDS)
+            complete = results.complete([s.id for s in samples], labels,
+                                        runner.cache_fields(cfg.get("fidelity", True)))
             # every refusal is behind: the session's record is written as it starts (a SIGKILL leaves it)
             results.open({"samples": [[s.id, s.task] for s in samples], "configs": labels})
             for line in results.start(provenance.session(resolve_device(cfg.device, model_cfg))):

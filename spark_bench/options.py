@@ -103,6 +103,7 @@ RUN_OPTIONS = {
     "decode_samples": POSITIVE_INT,
     "output_root": Option("str", nonempty=True), "run": Option("str", nonempty=True),
     "wait_lock": Option("bool"), "repair": Option("bool"),
+    "fidelity": Option("bool"),  # the teacher-forced fidelity pass (answer NLL, KL to full; engine/fidelity.py)
     "hub_timeout_s": Option("number", 0, open_low=True),
     "tracking": Option("str", choices=("none", "wandb", "mlflow")),
 }
@@ -120,7 +121,7 @@ LONGBENCH_OPTIONS = {
     "e": Option("bool"), "max_length": Option("int", 1, nullable=True, null="the model's longbench_max_length"),
     "rouge_backend": Option("str", choices=("rouge", "rouge_score")),
 }
-RULER_OPTIONS = {"system_prompt": Option("bool")}
+RULER_OPTIONS = {"system_prompt": Option("bool"), "questions": POSITIVE_INT}  # questions: per haystack (niah_*)
 MODEL_OPTIONS = {  # conf/model/*.yaml keys a user overrides (ModelConfig checks its placement keys itself)
     "dtype": Option("str", choices=("float32", "bfloat16", "float16")), "max_length": POSITIVE_INT,
     "longbench_max_length": Option("int", 1, nullable=True, null="max_length − 500"),
@@ -140,4 +141,17 @@ ANALYSIS_OPTIONS = {  # spark-bench-saliency (spark_bench/analysis)
     "head": Option("int", 0), "ratios": Option("list", nonempty=True, items=FRACTION),
     "samples": Option("int", 1, nullable=True, null="every sample of the benchmark"),
     "out": Option("str", nonempty=True, nullable=True, null="results/<run>/saliency"),
+}
+LEANK_OPTIONS = {  # method=leank / <eviction>+leank: the ``leank`` mapping (spark_bench/methods/channel/leank.py)
+    "mask": Option("str", nonempty=True, nullable=True, null="none: method=leank refuses to run without one"),
+    "recent": Option("int", 0),  # the last tokens kept dense (LeanK's recent_size, 768)
+}
+LEANK_TRAIN_OPTIONS = {  # spark-bench-leank (spark_bench/leank): LeanK's two-stage training
+    "ratio": FRACTION, "align": POSITIVE_INT,
+    "stage1_steps": Option("int", 0), "stage2_steps": Option("int", 0),
+    "stage1_lr": Option("number", 0, open_low=True), "stage2_lr": Option("number", 0, open_low=True),
+    "reg_weight": Option("number", 0), "stage2_reg_weight": Option("number", 0),
+    "initial_value": Option("number", 0, 1), "sink": Option("int", 0), "recent": Option("int", 0),
+    "save_steps": POSITIVE_INT, "seed": Option("int"), "cache_teacher": Option("bool"),
+    "out": Option("str", nonempty=True, nullable=True, null="results/<run>/leank"),
 }

@@ -13,6 +13,11 @@ against each device's published peaks at a stated utilisation (:data:`UTILISATIO
   ``UTILISATION["decode"]`` of the memory bandwidth — or, when larger, what the step dispatches (operations per step,
   ``scripts/bench/ops.py``, scaled by the layer count, × the time per operation measured on an H100:
   ``results/bench/decode_h100.json``);
+* the fidelity pass (``fidelity=true``, :mod:`spark_bench.engine.fidelity`), when on: per sample
+  :func:`fidelity_forwards` teacher-forced forwards, each over at most two continuations of ``max_new_tokens`` tokens
+  (the reference answer, the full cache's greedy tokens) through one config's cache: reading the weights and that
+  cache once at the decode utilisation, or computing ``2·P`` FLOPs per token (and attention over the cache) at the
+  prefill's, or dispatching a step's operations, whichever is slowest; ``fidelity=false`` counts none;
 * memory: the prefill's dense KV at ``S`` plus every config's compressed cache of one sample.
 
 Once ``make gpu-check`` has run on a device, its measured figures (``results/bench/gpu/check.json``) are printed
@@ -23,10 +28,11 @@ bandwidth-bound decode step), not measurements; :func:`estimate` prints them wit
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from spark_bench.engine.fidelity import KL_TOKENS
 from spark_bench.memory import GIB, Arch, predict_run
 from spark_bench.methods import MethodConfig
 from spark_bench.models import ModelConfig
@@ -175,6 +181,8 @@ class Cost:
     hours: dict[str, tuple[float, float]]   # device → (prefill hours, decode hours)
     bound: dict[str, str]                   # device → what bounds its decode step
     measured: list[str]                     # make gpu-check's figures, where it has run
+    fidelity_forwards: int = 0              # the fidelity pass's forwards (0: fidelity=false)
+    fidelity_hours: dict[str, float] = field(default_factory=dict)  # device → hours of the pass ({}: off)
 
     def lines(self) -> list[str]:
         out = [f"plan: {self.samples} samples × {self.configs} configs; prompts ≤ {self.prompt_tokens} tokens; "
@@ -185,21 +193,33 @@ class Cost:
                f"({self.prefill_tflop:.1f} TFLOP per sample), decode steps reading {self.step_gb:.2f} GB at "
                f"{UTILISATION['decode']:.0%} of the memory bandwidth or dispatch-bound, whichever is slower "
                f"({SOURCES})"]
+        out.append(f"plan: fidelity pass: ≤ {self.fidelity_forwards} teacher-forced forwards (one per config "
+                   f"and sample, the full cache's continuation once more; fidelity=false skips it)"
+                   if self.fidelity_forwards else "plan: fidelity=false: no fidelity pass")
         for key, (prefill, decode) in self.hours.items():
             device = DEVICES[key]
-            out.append(f"plan: ≤ {prefill + decode:.0f} GPU-hours on one {device.name} "
+            forced = self.fidelity_hours.get(key, 0.0)
+            out.append(f"plan: ≤ {prefill + decode + forced:.0f} GPU-hours on one {device.name} "
                        f"({device.peak_flops / 1e12:.0f} TFLOP/s, {device.bandwidth / 1e12:.2f} TB/s): "
                        f"prefill ≤ {prefill:.1f} h (every prompt at the bound), decode ≤ {decode:.1f} h "
-                       f"({self.bound[key]})")
+                       f"({self.bound[key]})" + (f", fidelity pass ≤ {forced:.1f} h" if key in self.fidelity_hours
+                                                 else ""))
         out += [f"plan: measured by make gpu-check: {line}" for line in self.measured] or [
             "plan: no make gpu-check figures yet (results/bench/gpu/check.json): these are estimates"]
         return out
 
 
+def fidelity_forwards(configs: int, full: bool = True) -> int:
+    """The fidelity pass's forwards per sample (:func:`spark_bench.engine.fidelity.measure`): one per config (its
+    two continuations together), and the full cache's greedy continuation alone first when the sweep has ``full``."""
+    return configs + int(full)
+
+
 def estimate(model: ModelConfig, configs: list[MethodConfig], work: list[TaskWork], prompt_tokens: int,
-             root: Path | None = None) -> Cost:
+             root: Path | None = None, fidelity: bool = True) -> Cost:
     """The cost of running ``configs`` on ``work`` with prompts of at most ``prompt_tokens``; ``root``: where to look
-    for ``results/bench/gpu/check.json`` (the measured figures printed beside the estimate)."""
+    for ``results/bench/gpu/check.json`` (the measured figures printed beside the estimate); ``fidelity``: whether
+    the run measures the fidelity pass (counted apart from ``hours``, which hold prefill and decode)."""
     arch = Arch.of(model)
     samples = sum(w.samples for w in work)
     forwards = sum(w.samples * w.new_tokens for w in work)
@@ -218,8 +238,23 @@ def estimate(model: ModelConfig, configs: list[MethodConfig], work: list[TaskWor
                       ("memory-bound" if read_s >= dispatch_s else "dispatch-bound, as measured") +
                       ("" if device.us_per_op else "; dispatch not measured on it"))
         hours[key] = (prefill_s / 3600, forwards * step_s / 3600)
+    passes, forced = 0, {}
+    if fidelity and configs:
+        full = any(c.name == "full" for c in configs)
+        passes = sum(w.samples for w in work) * fidelity_forwards(len(configs), full)
+        rows = len(configs) + int(full)
+        for key, device in DEVICES.items():
+            seconds = 0.0
+            for w in work:  # each forward: two continuations of at most max(new tokens, KL_TOKENS) positions
+                tokens = 2 * max(w.new_tokens, KL_TOKENS)
+                compute = tokens * (2 * arch.num_params + 4 * arch.num_layers * arch.num_heads * arch.head_dim
+                                    * prompt_tokens) / (device.peak_flops * UTILISATION["prefill"])
+                read = (one.weights + one.caches / max(len(configs), 1)) / (device.bandwidth * UTILISATION["decode"])
+                dispatch = (device.us_per_op or 0.0) * 1e-6 * OPS_PER_LAYER_STEP * arch.num_layers
+                seconds += w.samples * rows * max(compute, read, dispatch)
+            forced[key] = seconds / 3600
     return Cost(samples, len(configs), prompt_tokens, forwards, kv / GIB, one.weights / GIB, flops / 1e12,
-                step_bytes / 1e9, hours, bound, gpu_check_lines(root or Path.cwd()))
+                step_bytes / 1e9, hours, bound, gpu_check_lines(root or Path.cwd()), passes, forced)
 
 
 def gpu_check_lines(root: Path) -> list[str]:

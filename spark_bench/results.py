@@ -34,7 +34,7 @@ from spark_bench.options import Option
 from spark_bench.provenance import PROCESS, now
 
 LOG = logging.getLogger(__name__)
-TIMING_FIELDS = ("prefill_s", "compress_s", "decode_s", "peak_mem_bytes", "warmup_s")
+TIMING_FIELDS = ("prefill_s", "compress_s", "decode_s", "peak_mem_bytes", "warmup_s", "fidelity_s", "answer_s")
 
 
 class ResultsMismatch(ValueError):
@@ -124,7 +124,8 @@ RECORD_TYPES = {  # optional fields (older versions lack some), typed when prese
                           "kv_bytes": Option("number", 0),
                           "kv_bytes_full": Option("number", 0), "key_ratio": _NUMBER,
                           "length": Option("int", 0, nullable=True), "answer_nll": _NUMBER, "kl_full": _NUMBER,
-                          "agree_full": _NUMBER, "kl_tokens": Option("int", 0, nullable=True)},
+                          "agree_full": _NUMBER, "kl_tokens": Option("int", 0, nullable=True),
+                          "new_tokens": Option("int", 0), "stopped": Option("bool"), "fidelity": Option("bool")},
     "timings.jsonl": {k: _NUMBER for k in TIMING_FIELDS},
 }
 

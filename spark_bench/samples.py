@@ -44,6 +44,13 @@ def check_benchmark(cfg: DictConfig, model: ModelConfig, sources: bool = True) -
         source = cfg.ruler.get("source", "generate")
         if source not in ("generate", "kvpress"):
             raise ConfigError(f"ruler.source must be one of generate, kvpress; got {source!r}")
+        questions = cfg.ruler.get("questions", 1)
+        others = [t for t in b.tasks if not t.startswith("niah_")]
+        if questions > 1 and (source != "generate" or others):
+            raise ConfigError(f"ruler.questions={questions}: several questions over one haystack are asked of the "
+                              "needle tasks (niah_*) generated here; " + (f"drop {', '.join(others)} from "
+                              "benchmark.tasks or set ruler.questions=1" if others else
+                              "ruler.source=kvpress has one question per sample; set ruler.questions=1"))
         if source == "kvpress":
             from spark_bench.benchmarks.ruler.kvpress_records import LENGTHS, kvpress_source
 
@@ -97,7 +104,7 @@ def _ruler(cfg: DictConfig, lm):
         return load_kvpress_ruler(list(b.tasks), b.length, b.num_samples, lm, src.kvpress_path, b.get("max_new_tokens"))
     return load_ruler(list(b.tasks), b.length, b.num_samples, b.seed, lm, b.get("max_new_tokens"),
                       essay_file=src.essay_file, squad_file=src.squad_file, hotpotqa_file=src.hotpotqa_file,
-                      system_prompt=src.get("system_prompt", True))
+                      system_prompt=src.get("system_prompt", True), questions=src.get("questions", 1))
 
 
 def _longbench(cfg: DictConfig, lm):
@@ -138,10 +145,51 @@ def data_file_samples(cfg: DictConfig, model: ModelConfig) -> list:
     return samples
 
 
+def group_contexts(samples: list) -> list:
+    """Several questions over one context: samples of one task whose prompts hold the same non-empty context — the
+    same ids up to the same ``context_end`` — are that context's questions (a data file's ``questions``, RULER's
+    ``ruler.questions``, LongBench records that share their context). Each such group is put together where its
+    first question was and its samples get ``meta.context`` (the id the group's samples already share in
+    ``meta.context``, else its first question's id) and ``meta.question`` (the position, from 1); a sample whose
+    context no other sample holds is left as it is. Under ``compress_scope=context`` the runner then compresses
+    each context once per config and answers all its questions from that cache (:func:`~spark_bench.runner.
+    run_samples`; the tokens are those of compressing each question's prompt on its own)."""
+    from dataclasses import replace
+
+    groups: dict = {}
+    for sample in samples:
+        key = (sample.task, sample.input_ids[:sample.context_end]) if sample.context_end else ("", sample.id)
+        groups.setdefault(key, []).append(sample)
+    out = []
+    for members in groups.values():
+        if len(members) == 1:
+            out += members
+            continue
+        given = {m.meta.get("context") for m in members}
+        name = given.pop() if len(given) == 1 and None not in given else members[0].id
+        out += [replace(m, meta={**m.meta, "context": name, "question": k}) for k, m in enumerate(members, 1)]
+    return out
+
+
+def context_units(items: list, sample=lambda item: item) -> list[list]:
+    """The items (samples, or what ``sample(item)`` gives a sample of) as consecutive units: one context's questions
+    together (``meta.context``, :func:`group_contexts`), every other sample alone. A run shards whole units and
+    decodes each unit's rows together (:func:`spark_bench.runner.run_sweep`)."""
+    units: list[list] = []
+    for item in items:
+        context = sample(item).meta.get("context")
+        if units and context is not None and sample(units[-1][0]).meta.get("context") == context:
+            units[-1].append(item)
+        else:
+            units.append([item])
+    return units
+
+
 def load_samples(cfg: DictConfig, lm):
     if cfg.benchmark.get("data_file"):  # samples exported by spark-bench-export: rerun exactly
         samples = data_file_samples(cfg, lm.config)
     else:
         samples = BENCHMARKS[cfg.benchmark.name](cfg, lm)
-    shard = parse_shard(cfg.get("shard"))
-    return samples if shard is None else samples[shard[0]::shard[1]]
+    samples = group_contexts(samples)
+    shard = parse_shard(cfg.get("shard"))  # whole contexts per shard: each compressed once, in one shard
+    return samples if shard is None else [s for u in context_units(samples)[shard[0]::shard[1]] for s in u]

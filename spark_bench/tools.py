@@ -1,4 +1,5 @@
-"""The command-line tools beside ``spark-bench``: ``spark-bench-export`` (write a benchmark's samples),
+"""The command-line tools beside ``spark-bench``: ``spark-bench-export`` (write a benchmark's samples; with
+``--format kvpress``, a run in kvpress' evaluation layout),
 ``spark-bench-memory`` (the memory planner) and ``spark-bench-merge`` (join shards). They share ``spark-bench``'s
 configs and start-up checks (:mod:`spark_bench.cli`)."""
 
@@ -48,8 +49,29 @@ def _export(cfg: DictConfig) -> None:
     LOG.info(f"{len(samples)} samples of {cfg.benchmark.name} → {path}")
 
 
+EXPORT_FORMATS = ("kvpress",)  # spark-bench-export --format <format> RUN …: a run written in another tool's layout
+
+
 def export() -> None:
-    checked("spark-bench-export", _hydra_export)
+    """``spark-bench-export [key=value …]``: a benchmark's samples (Hydra, as ``spark-bench``). With ``--format
+    kvpress`` (``--format=kvpress``) anywhere on the command line, the rest is ``spark-bench-export-kvpress``'s
+    (``RUN --out DIR [--data-dir N] [--model ID]``: :func:`spark_bench.report.kvpress_format.main`), taken off
+    before Hydra sees it; another format is one line naming the valid ones, exit 2."""
+    argv = sys.argv[1:]
+    at = next((i for i, a in enumerate(argv) if a == "--format" or a.startswith("--format=")), None)
+    if at is None:
+        checked("spark-bench-export", _hydra_export)
+        return
+    given = argv[at].partition("=")[2] if "=" in argv[at] else (argv[at + 1] if at + 1 < len(argv) else "")
+    rest = argv[:at] + argv[at + (1 if "=" in argv[at] else 2):]
+    if given not in EXPORT_FORMATS:
+        print(f"spark-bench-export: error: --format {given!r}: "
+              f"{'no such export format' if given else 'needs a value'}; valid: {', '.join(EXPORT_FORMATS)} "
+              "(or no --format: the benchmark's samples, from key=value overrides)", file=sys.stderr)
+        sys.exit(2)
+    from spark_bench.report.kvpress_format import main as kvpress_main
+
+    kvpress_main(rest, prog="spark-bench-export --format kvpress")
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")

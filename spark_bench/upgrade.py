@@ -13,7 +13,8 @@
   changed, and what to do: the sweep the run began with, or a new ``run=``.
 * :func:`refresh`: resuming a run whose earlier predictions lack fields this version writes. What the stored
   predictions and the samples determine is restored (the score is recomputed from the stored prediction text by
-  this version's metric; the task, answers, length and method options filled in); what needs the caches (the
+  this version's metric; the task, answers, length and method options filled in, the generated tokens counted and
+  whether the row stopped on its own read from them and ``max_new_tokens``); what needs the caches (the
   fidelity numbers ``answer_nll`` / ``kl_full`` / ``agree_full``, the KV bytes) is recomputed: those predictions are
   computed again, so no table averages a column over fewer samples than its ``n`` says.
 """
@@ -261,7 +262,13 @@ def refresh(done: dict, samples: list, pipelines: list, needed: tuple) -> tuple[
         record.setdefault("task", sample.task)
         record.setdefault("answers", list(sample.answers))
         record.setdefault("length", sample.meta.get("length"))
+        record.setdefault("question", sample.meta.get("question"))  # its position among its context's questions
         record.setdefault("method", configs[record["config"]])
+        tokens = record.get("tokens") or []  # a record without its tokens was dropped above (a cache field)
+        record.setdefault("new_tokens", len(tokens))
+        if "stopped" not in record:  # only a stop token ends a row before its max_new_tokens
+            record["stopped"] = len(tokens) < sample.max_new_tokens
+        record.setdefault("fidelity", "answer_nll" in record)  # whether the fidelity pass ran for it
         new = score(sample.metric, record["prediction"], sample.answers, **sample.metric_args)
         if record.get("score") != new:
             rescored += 1

@@ -50,8 +50,65 @@ def tiny_prefill(tiny_lm):
     return run_prefill(tiny_lm.model, ids, window=32, query_stats=QueryStatsSpec())
 
 
-MEASURED = {"scores.csv": ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_mem_bytes"),
-            "table.md": ("Prefill s", "Compress s", "Decode tok/s", "Peak MiB")}
+def cli_env() -> dict[str, str]:
+    """The environment of a ``spark-bench`` child process as a user's shell gives it: without the variables that
+    quieten third-party progress bars (tests/test_logs.py checks that spark-bench itself keeps them off)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("TQDM_", "HF_HUB_DISABLE", "TRANSFORMERS_VERB"))}
+
+
+@pytest.fixture
+def console(monkeypatch, capsys):
+    """A console script run in this process from its own entry (``-q``/``-v``, the command-line checks, Hydra, the
+    run): ``console(args)`` for ``spark-bench``, ``console(args, "spark-bench-merge")``; gives ``(exit code, stdout,
+    stderr)``. For the commands whose own process is not the point (refusals, resumes, merges): each saves a fresh
+    interpreter's imports (about 3 s on 2 cores). Where the exit code and the one line are the point, one test per
+    console script keeps a real process (tests/test_durability.py's malformed record, for ``spark-bench``)."""
+    import sys
+
+    import spark_bench.cli as cli
+    from spark_bench import tools
+
+    entries = {"spark-bench": cli.main, "spark-bench-merge": lambda: tools.merge(sys.argv[1:])}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+    def run(args, tool="spark-bench"):
+        monkeypatch.setattr(sys, "argv", [tool, *map(str, args)])
+        capsys.readouterr()
+        code = 0
+        try:
+            entries[tool]()
+        except SystemExit as exit_:
+            code = exit_.code
+        said = capsys.readouterr()
+        return code, said.out, said.err
+
+    return run
+
+
+SMOLLM2_RUN = ["benchmark.tasks=[niah_single_1]", "benchmark.num_samples=1", "benchmark.length=2048",
+               "benchmark.max_new_tokens=8"]  # the demo's model and default sweep, one 2K needle
+
+
+@pytest.fixture(scope="session")
+def smollm2_run(tmp_path_factory):
+    """One ``spark-bench`` run of the embedded SmolLM2 in a fresh process without a terminal (the default sweep, one
+    2K needle): ``(completed process, run directory)``. Its stderr is what tests/test_logs.py reads, its
+    ``memory.json`` what the peak-memory test in tests/test_placement_and_memory.py reads — one SmolLM2 command-line
+    run (a load, a 2K prefill, six configs decoded) for both, instead of one each."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("smollm2_run")
+    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", *SMOLLM2_RUN, f"output_root={root}", "run=r"],
+                          capture_output=True, text=True, timeout=600, env=cli_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, root / "r"
+
+
+MEASURED = {"scores.csv": ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_mem_bytes", "answer_s",
+                           "fidelity_s"),
+            "table.md": ("Prefill s", "Compress s", "Decode tok/s", "Peak MiB", "s/answer", "Fidelity s")}
 
 
 def reproducible(path: Path) -> bytes:

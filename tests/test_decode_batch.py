@@ -127,11 +127,10 @@ def test_a_prefill_is_dropped_once_its_last_row_is_built(tiny_lm, monkeypatch, d
     assert all(ref() is None for ref in made)
 
 
-def test_bad_decode_batch_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "decode_batch=0",
-                           f"output_root={tmp_path}"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "decode_batch must be an integer >= 1, or null" in proc.stderr and not any(tmp_path.iterdir())
+def test_bad_decode_batch_is_one_line(tmp_path, console):
+    code, _, err = console(["model=tiny-llama", "decode_batch=0", f"output_root={tmp_path}"])
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "decode_batch must be an integer >= 1, or null" in err and not any(tmp_path.iterdir())
 
 
 # ---- kernel dispatch ----------------------------------------------------------------------------------------------

@@ -16,9 +16,8 @@ BASE = ["model=tiny-llama", "benchmark.tasks=[niah_single_1,niah_multikey_2]", "
         "benchmark.max_new_tokens=6", "progress=false"]
 
 
-def cli(args, cwd, timeout=600, merge=False, wait=True):
-    entry = ["-c", "from spark_bench.tools import merge; merge()"] if merge else ["-m", "spark_bench.cli"]
-    cmd = [sys.executable, *entry, *args]
+def cli(args, cwd, timeout=600, wait=True):
+    cmd = [sys.executable, "-m", "spark_bench.cli", *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     if not wait:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -31,8 +30,9 @@ def _bad_longbench(tmp_path):
     return [f"longbench.data_dir={tmp_path / 'data'}", "benchmark=longbench", "benchmark.tasks=[hotpotqa]"]
 
 
-# the whole command line in a subprocess (exit code, stderr, no Hydra files), one case per stage of the checks; the
-# table of every bad input runs in-process in tests/test_bad_inputs.py
+# the whole command line (exit code, stderr, no Hydra files), one case per stage of the checks: the last stage (a
+# data file read after the tokenizer loads) in a fresh process, the others through the same console-script entry in
+# this process; the table of every bad input runs in-process in tests/test_bad_inputs.py
 BAD_INPUTS = {
     "unknown model": (["model=nope"], "model=nope: no such model config (conf/model/); valid: llama3-8b"),
     "ratio out of range": (["method=spark", "ratio=1.2"], "ratio must be a number >= 0 and < 1; got 1.2"),
@@ -43,16 +43,21 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, case):
+def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, case, console):
     args, message = BAD_INPUTS[case]
     if args is None:
         args = _bad_longbench(tmp_path)
     before = set(tmp_path.rglob("*"))
     base = ["model=tiny-llama"] if "benchmark=longbench" in args else BASE  # RULER-only keys don't apply
-    out = cli([*base, *args, f"output_root={tmp_path / 'results'}"], cwd=tmp_path)
-    assert out.returncode == 2
-    assert message in out.stderr, out.stderr[-1500:]
-    assert "Traceback" not in out.stderr
+    args = [*base, *args, f"output_root={tmp_path / 'results'}"]
+    if case == "malformed record":
+        out = cli(args, cwd=tmp_path)
+        code, stderr = out.returncode, out.stderr
+    else:
+        code, _, stderr = console(args)
+    assert code == 2
+    assert message in stderr and len(stderr.strip().splitlines()) == 1, stderr[-1500:]
+    assert "Traceback" not in stderr
     assert set(tmp_path.rglob("*")) == before  # no results dir, no Hydra files, nothing
 
 
@@ -71,7 +76,10 @@ def uninterrupted(tmp_path_factory):
     return root / "uninterrupted"
 
 
-def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
+def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path, uninterrupted, console, capsys):
+    """A real process killed with SIGKILL; the report, the refused and the repaired resume, and the reruns after it
+    go through the console scripts' own entries in this process (conftest's ``console``): every comparison
+    is still across processes, against the reference run's."""
     proc = cli(_sweep_args(tmp_path, "killed"), cwd=tmp_path, wait=False)
     predictions = tmp_path / "killed" / "predictions.jsonl"
     deadline = time.time() + 300
@@ -86,20 +94,20 @@ def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
     # the session's record was written as it started: the kill leaves it, running, with no end
     (killed,) = json.loads((tmp_path / "killed" / "manifest.json").read_text())["runs"]
     assert (killed["status"], killed["ended"], killed["dtype"], killed["pid"]) == ("running", None, "float32", proc.pid)
-    _report_says_the_run_is_incomplete(tmp_path / "killed", len(partial))
+    _report_says_the_run_is_incomplete(tmp_path / "killed", len(partial), capsys)
     # a damaged middle line: the resume names it and refuses (nothing changed), repair=true moves it aside
     lines = predictions.read_bytes().split(b"\n")
     lines[0] = lines[0][:40]
     predictions.write_bytes(b"\n".join(lines))
     before = {p: p.read_bytes() for p in (tmp_path / "killed").iterdir() if p.name != ".lock"}
-    refused = cli(_sweep_args(tmp_path, "killed"), cwd=tmp_path)
-    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
-    assert f"run=killed: {predictions}:1: not a JSON record (Unterminated string" in refused.stderr
-    assert "rerun with repair=true" in refused.stderr
+    code, _, err = console(_sweep_args(tmp_path, "killed"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert f"run=killed: {predictions}:1: not a JSON record (Unterminated string" in err
+    assert "rerun with repair=true" in err
     assert {p: p.read_bytes() for p in (tmp_path / "killed").iterdir() if p.name != ".lock"} == before
-    resumed = cli([*_sweep_args(tmp_path, "killed"), "repair=true"], cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"{len(partial) - 1} of 6 predictions already done" in resumed.stderr
+    code, _, err = console([*_sweep_args(tmp_path, "killed"), "repair=true"])
+    assert code == 0, err[-2000:]
+    assert f"{len(partial) - 1} of 6 predictions already done" in err
     assert (tmp_path / "killed" / "predictions.jsonl.damaged").read_bytes() == lines[0] + b"\n"
     for name in ("predictions.jsonl", "scores.csv", "table.md"):  # byte-identical to the uninterrupted run
         assert reproducible(tmp_path / "killed" / name) == reproducible(uninterrupted / name)
@@ -108,29 +116,31 @@ def test_kill_9_then_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
     assert len(timings) == len({(t["id"], t["config"]) for t in timings}) >= 5
     runs = json.loads((tmp_path / "killed" / "manifest.json").read_text())["runs"]
     assert [r["status"] for r in runs] == ["running", "finished"] and runs[0] == killed  # the refusal: no record
-    again = cli(_sweep_args(tmp_path, "killed"), cwd=tmp_path)
-    assert "6 of 6 predictions already done" in again.stderr
-    other = cli([*_sweep_args(tmp_path, "killed"), "ratio=0.5"], cwd=tmp_path)
-    assert other.returncode == 2 and "holds results of a different configuration (differs in: configs" in other.stderr
+    code, _, err = console(_sweep_args(tmp_path, "killed"))
+    assert code == 0 and "6 of 6 predictions already done" in err, err[-2000:]
+    code, _, err = console([*_sweep_args(tmp_path, "killed"), "ratio=0.5"])
+    assert code == 2 and "holds results of a different configuration (differs in: configs" in err, err[-2000:]
 
 
-def _report_says_the_run_is_incomplete(run: Path, done: int) -> None:
+def _report_says_the_run_is_incomplete(run: Path, done: int, capsys) -> None:
     import re
 
     from spark_bench.report import main as report
 
-    out = subprocess.run([sys.executable, "-c", "from spark_bench.report import main; main()", str(run), "--layout",
-                          "ruler"], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert f"incomplete: {run}: {done} of 6 predictions (" in out.stderr and "configs missing some)" in out.stderr
-    assert "**Incomplete:" in out.stdout and re.search(r"\d\*", out.stdout)  # the cells marked
+    capsys.readouterr()
+    report([str(run), "--layout", "ruler"])
+    out = capsys.readouterr()
+    assert f"incomplete: {run}: {done} of 6 predictions (" in out.err and "configs missing some)" in out.err
+    assert "**Incomplete:" in out.out and re.search(r"\d\*", out.out)  # the cells marked
     with pytest.raises(SystemExit) as refused:
         report([str(run), "--layout", "ruler", "--require-complete"])
     assert refused.value.code == 2
 
 
-def test_same_seed_same_bytes(tmp_path, uninterrupted):
-    assert cli(_sweep_args(tmp_path, "again"), cwd=tmp_path).returncode == 0
+def test_same_seed_same_bytes(tmp_path, uninterrupted, console):
+    """The sweep again, in another process than the reference (this one): the same predictions, byte for byte."""
+    code, _, err = console(_sweep_args(tmp_path, "again"))
+    assert code == 0, err[-2000:]
     assert (tmp_path / "again" / "predictions.jsonl").read_bytes() == (uninterrupted / "predictions.jsonl").read_bytes()
 
 
@@ -144,10 +154,11 @@ def test_two_job_sweep_through_launcher(tmp_path, launcher):
         assert ("SnapKV @64" if job == "0" else "TOVA @64") in table
 
 
-def test_shards_merge_into_the_unsharded_result(tmp_path, uninterrupted):
+def test_shards_merge_into_the_unsharded_result(tmp_path, uninterrupted, console):
     for shard in ("0/2", "1/2"):
-        assert cli([*_sweep_args(tmp_path, "sharded"), f"shard={shard}"], cwd=tmp_path).returncode == 0
-    merged = cli([str(tmp_path / "sharded")], cwd=tmp_path, merge=True)
-    assert merged.returncode == 0, merged.stderr
+        code, _, err = console([*_sweep_args(tmp_path, "sharded"), f"shard={shard}"])
+        assert code == 0, err[-2000:]
+    code, _, err = console([tmp_path / "sharded"], "spark-bench-merge")
+    assert code == 0, err
     for name in ("predictions.jsonl", "scores.csv", "table.md"):
         assert reproducible(tmp_path / "sharded" / name) == reproducible(uninterrupted / name)

@@ -83,10 +83,12 @@ def test_full_gives_exactly_zero_and_one_and_lambda_zero_equals_its_base(tiny_lm
     assert [f.kl_full for f in alone] == [None] * 3 and none is None
     assert [f.answer_nll for f in alone] == pytest.approx([snap.answer_nll, spark0.answer_nll, think.answer_nll],
                                                           abs=1e-5)
-    # a later batch's rows against the full row's log-probabilities from an earlier call: the same numbers
+    # a later batch's rows against the full row's log-probabilities from an earlier call: the same numbers (to the
+    # rounding of a forward stacking other rows)
     later, _ = measure(tiny_lm.model, rows[2:], REFERENCE, greedy, full_log_probs=log_probs)
-    assert [(f.answer_nll, f.kl_full, f.agree_full, f.kl_tokens) for f in later] == \
-        [(f.answer_nll, f.kl_full, f.agree_full, f.kl_tokens) for f in (spark0, think)]
+    assert [(f.agree_full, f.kl_tokens) for f in later] == [(f.agree_full, f.kl_tokens) for f in (spark0, think)]
+    assert [x for f in later for x in (f.answer_nll, f.kl_full)] == pytest.approx(
+        [x for f in (spark0, think) for x in (f.answer_nll, f.kl_full)], abs=1e-5)
 
 
 def test_kl_and_agreement_are_the_textbook_ones():
@@ -156,6 +158,55 @@ def test_sweep_stores_them_beside_the_score_and_says_why_kl_is_empty(tiny_lm, tm
         run_sweep(tiny_lm, samples, configs[::-1], tmp_path / "split", progress=False, decode_batch=2)
     assert "2 of 6 predictions already done" in caplog.text
     assert numbers("split") == whole
+
+
+# a mix of rows a sample's pass stacks: full, an eviction, eviction + SparK / ThinK, ThinK alone, Mustafar, and a row
+# whose question runs through its cache as a suffix (a forward of its own: another suffix length)
+STACKED = [MethodConfig(name="full"), MethodConfig(name="snapkv", budget=48),
+           MethodConfig(name="snapkv+spark", budget=48, ratio=0.8), MethodConfig(name="think", ratio=0.5),
+           MethodConfig(name="mustafar", ratio=0.5)]
+
+
+@pytest.mark.parametrize("greedy", [REFERENCE[:3], [17, 2044, 9, 380, 4211]], ids=["merged", "two-continuations"])
+def test_stacked_pass_equals_the_per_config_reference(tiny_lm, prompt, monkeypatch, greedy):
+    """The pass of a sample's configs stacked into one forward per ``batch`` configs gives the numbers of one
+    forward per config (``stacked=False``, the reference) within 1e-5, in fewer forwards."""
+    from spark_bench.engine import fidelity
+
+    ids, prefill = prompt
+    selections = {}
+    rows = [_row(prefill, c, selections) for c in STACKED]
+    part = run_prefill(tiny_lm.model, ids, window=32, ends=(100,)).at(100, True)
+    cache = Pipeline.from_config(MethodConfig(name="snapkv", budget=48)).build_cache(part)[0]
+    rows.append(ForcedRow(cache, None, 100, tuple(ids[0, 100:].tolist()), []))
+    forwards = []
+    real = fidelity.iter_forced_log_probs
+    monkeypatch.setattr(fidelity, "iter_forced_log_probs", lambda model, forced, *a: (
+        forwards.append(len({len(f.suffix) for f in forced})), real(model, forced, *a))[1])
+
+    def numbers(**kw):
+        forwards.clear()
+        out, log_probs = fidelity.measure(tiny_lm.model, rows, REFERENCE, greedy, full=0, **kw)
+        return [(f.answer_nll, f.kl_full, f.agree_full, f.kl_tokens) for f in out], log_probs, sum(forwards)
+
+    reference, ref_lp, per_config = numbers(stacked=False)
+    assert per_config == len(rows) + (greedy != REFERENCE[:3])  # the full row's greedy continuation alone first
+    for batch, expected in ((None, 2), (2, 4), (1, len(rows))):  # one forward per suffix length in each batch
+        got, lp, count = numbers(batch=batch)
+        assert count == expected
+        torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+        for (nll, kl, agree, positions), want in zip(got, reference):
+            assert (agree, positions) == want[2:] and (nll, kl) == pytest.approx(want[:2], abs=1e-5)
+    assert reference[0][1:3] == (0.0, 1.0) and all(r[1] > 0 for r in reference[1:])
+    # no full row (only the answer NLL): both paths too
+    alone = [[f.answer_nll for f in fidelity.measure(tiny_lm.model, rows[1:], REFERENCE, [], stacked=s)[0]]
+             for s in (False, True)]
+    assert alone[1] == pytest.approx(alone[0], abs=1e-5) and alone[0] == pytest.approx([r[0] for r in reference[1:]],
+                                                                                     abs=1e-5)
+    # a later batch against the full row's log-probabilities from an earlier call, stacked: the same numbers
+    later, _ = fidelity.measure(tiny_lm.model, rows[1:], REFERENCE, greedy, full_log_probs=ref_lp)
+    assert [x for f in later for x in (f.answer_nll, f.kl_full)] == pytest.approx(
+        [x for r in reference[1:] for x in r[:2]], abs=1e-5)
 
 
 def test_library_answer_nll_ask_and_generate(tiny_lm, prompt):

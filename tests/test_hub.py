@@ -79,11 +79,10 @@ def test_dry_run_of_a_runnable_config_exits_0(offline_env):
 @pytest.mark.parametrize("arg, group", [("model=nope", "model"), ("method=snapkv,bogus", "method"),
                                         ("benchmark=rulr", "benchmark"), ("+experiment=table9", "experiment"),
                                         ("sweep=nothing", "sweep")])
-def test_unknown_config_names_exit_2(arg, group, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", arg, f"output_root={tmp_path}"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    (line,) = proc.stderr.strip().splitlines()
+def test_unknown_config_names_exit_2(arg, group, tmp_path, console):
+    code, _, err = console([arg, f"output_root={tmp_path}"])  # the console script's own start, in this process
+    assert code == 2
+    (line,) = err.strip().splitlines()
     # a method name may also be kvpress:<press> or a method of one's own, so its line says so (methods/pipeline.py)
     expected = ("unknown method 'bogus'; valid: full," if group == "method" else
                 f"no such {group} config (conf/{group}/); valid:")

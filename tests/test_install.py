@@ -30,13 +30,13 @@ def installed(tmp_path_factory):
                     str(tmp / "dist"), str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp / "dist").glob("spark_bench-*.whl")
     env_dir = tmp / "venv"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir, with_pip=False)  # this environment's pip installs into it (--python): no ensurepip run
     python = env_dir / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "harness_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
+                    str(wheel)], check=True, capture_output=True, timeout=300)
     return env_dir, tmp
 
 

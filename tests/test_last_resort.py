@@ -62,6 +62,13 @@ def _report(monkeypatch, tmp_path, verbose):
     report.main([str(tmp_path), *(["-v"] * verbose)])
 
 
+def _export_kvpress(monkeypatch, tmp_path, verbose):
+    import spark_bench.report.kvpress_format as kvpress_format
+
+    monkeypatch.setattr(kvpress_format, "export_run", _raise)
+    kvpress_format.main([str(tmp_path), "--out", str(tmp_path / "kvpress"), *(["-v"] * verbose)])
+
+
 def _figure2(monkeypatch, tmp_path, verbose):
     import spark_bench.analysis.command as command
 
@@ -88,11 +95,13 @@ SCRIPTS = {
     "spark-bench-export": _hydra_tool("spark_bench.tools", "export", "spark_bench.tools.validate"),
     "spark-bench-memory": _hydra_tool("spark_bench.tools", "memory", "spark_bench.tools.validate"),
     "spark-bench-merge": _merge,
+    "spark-bench-export-kvpress": _export_kvpress,
     "spark-bench-report": _report,
     "spark-bench-saliency": _hydra_tool("spark_bench.analysis.command", "saliency",
                                         "spark_bench.analysis.command.prepare"),
     "spark-bench-figure2": _figure2,
     "spark-bench-lm-eval": _lm_eval,
+    "spark-bench-leank": _hydra_tool("spark_bench.leank.command", "main", "spark_bench.leank.command.prepare"),
 }
 
 

@@ -3,35 +3,37 @@ third-party progress bars unless ``-v``, and progress without a terminal at most
 
 import io
 import logging
-import os
 import subprocess
 import sys
+
+from conftest import cli_env
 
 from spark_bench import logs
 
 
 def _cli(*args, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TQDM_", "HF_HUB_DISABLE", "TRANSFORMERS_VERB"))}
     command = [sys.executable, "-m", "spark_bench.cli", *args, "method=snapkv", "budget=64",
                "benchmark.tasks=[niah_single_1]", "benchmark.length=512", "benchmark.num_samples=1",
                "benchmark.max_new_tokens=2", f"output_root={tmp_path}"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=cli_env())
 
 
-def test_a_run_logs_lines_not_bars_and_quiet_logs_nothing(tmp_path):
+def test_a_run_logs_lines_not_bars_and_quiet_logs_nothing(smollm2_run, tmp_path):
     """The embedded GGUF model (whose loader draws a 272-step bar) without a terminal: a few ``spark-bench:``
-    lines and no carriage return; ``-q``: nothing on stderr; both runs keep their lines in ``run.log``."""
-    out = _cli("model=smollm2-135m", "run=default", tmp_path=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
+    lines and no carriage return; ``-q``: nothing on stderr; both runs keep their lines in ``run.log``. The SmolLM2
+    run is conftest's ``smollm2_run`` (the default sweep, shared with the peak-memory test)."""
+    out, default = smollm2_run
     lines = out.stderr.splitlines()
     assert "\r" not in out.stderr and "Converting" not in out.stderr and "Loading weights" not in out.stderr
-    assert lines and all(line.startswith("spark-bench: ") for line in lines) and len(lines) <= 8, lines
+    assert lines and all(line.startswith("spark-bench: ") for line in lines), lines
+    per_config = [line for line in lines if ": score " in line]  # the summary: one line per config of the sweep
+    assert len(per_config) == 6 and len(lines) - len(per_config) <= 7, lines  # and a few status lines
     assert any("smollm2-135m on ruler (1 samples)" in line for line in lines)
     assert "| Method |" in out.stdout
     quiet = _cli("-q", "model=tiny-llama", "run=quiet", tmp_path=tmp_path)
     assert quiet.returncode == 0 and quiet.stderr == "" and "| Method |" in quiet.stdout
-    for run in ("default", "quiet"):
-        text = (tmp_path / run / "run.log").read_text()
+    for run in (default, tmp_path / "quiet"):
+        text = (run / "run.log").read_text()
         assert "INFO spark_bench.cli:" in text and "INFO spark_bench.runner:" in text
 
 

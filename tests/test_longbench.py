@@ -1,8 +1,6 @@
 """LongBench: official metrics on hand-checked cases (quirks included), loading, protocol, and an end-to-end run."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -124,13 +122,10 @@ def test_unknown_task_lists_valid_ones(tiny_lm):
         load_longbench(["narrativeqa"], tiny_lm, data_dir=str(FIXTURES), e=True)
 
 
-def test_cli_longbench_end_to_end(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "benchmark=longbench",
-         f"longbench.data_dir={FIXTURES}", "method=snapkv+spark", "ratio=0.8", "budget=64",
-         f"output_root={tmp_path}", "run=lb"],
-        capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_cli_longbench_end_to_end(tmp_path, console):
+    code, _, err = console(["model=tiny-llama", "benchmark=longbench", f"longbench.data_dir={FIXTURES}",
+                            "method=snapkv+spark", "ratio=0.8", "budget=64", f"output_root={tmp_path}", "run=lb"])
+    assert code == 0, err[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "lb" / "predictions.jsonl").read_text().splitlines()]
     assert sorted(r["task"] for r in rows) == sorted(TASKS)
     table = (tmp_path / "lb" / "table.md").read_text()
@@ -138,7 +133,7 @@ def test_cli_longbench_end_to_end(tmp_path):
     assert all(isinstance(r["length"], int) for r in rows)  # the record's length reaches the predictions
 
 
-def test_longbench_e_runs_its_13_tasks_and_reports_length_buckets(tmp_path):
+def test_longbench_e_runs_its_13_tasks_and_reports_length_buckets(tmp_path, console):
     """``longbench.e=true`` with the default (null) task list runs LongBench-E's 13 tasks; the report buckets them."""
     import shutil
 
@@ -152,11 +147,9 @@ def test_longbench_e_runs_its_13_tasks_and_reports_length_buckets(tmp_path):
         for r in records:
             r["length"] = (1000, 5000, 9000)[i % 3]
         (data / f"{task}_e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    out = subprocess.run(
-        [sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "benchmark=longbench", "longbench.e=true",
-         f"longbench.data_dir={data}", "method=snapkv", "budget=64", f"output_root={tmp_path}", "run=lbe"],
-        capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    code, _, err = console(["model=tiny-llama", "benchmark=longbench", "longbench.e=true", f"longbench.data_dir={data}",
+                            "method=snapkv", "budget=64", f"output_root={tmp_path}", "run=lbe"])
+    assert code == 0, err[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "lbe" / "predictions.jsonl").read_text().splitlines()]
     assert sorted(r["task"] for r in rows) == sorted(LONGBENCH_E_TASKS)
     report_main([str(tmp_path / "lbe"), "--layout", "longbench_e", "--ci", "--out", str(tmp_path / "rep")])

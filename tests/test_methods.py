@@ -28,6 +28,10 @@ SPARK_OPTIONS = (
        dict(ratio=0.8, recovery="exponential", recovery_stats="all")]
 )
 OPTIONS = {"spark": SPARK_OPTIONS, "think": [dict(ratio=0.5), dict(ratio=0.8, value_ratio=0.3)],
+           "mustafar": [dict(ratio=0.5, value_ratio=0.7), dict(ratio=0.7, mustafar_window=0)],
+           "leank": [dict(leank={"mask": str(conftest.ROOT / "tests/fixtures/leank/tiny-llama.json"), "recent": 16}),
+                     dict(leank={"mask": str(conftest.ROOT / "tests/fixtures/leank/tiny-llama.json")},
+                          value_ratio=0.3)],
            None: [dict(), dict(value_ratio=0.5)]}
 MATRIX = [(name, opts) for name in METHOD_NAMES
           for opts in OPTIONS[MethodConfig(name=name).channel_name]]
@@ -74,7 +78,7 @@ def test_every_method_resolves_from_the_cli(name):
     # only the options this method reads: the others are refused (tests/test_bad_inputs.py)
     given = {"ratio": 0.5, "value_ratio": 0.3, "recovery": "gaussian", "seed": 3}
     given = {k: v for k, v in given.items() if k in relevant_options({"name": name, "value_ratio": 0.3})}
-    assert "value_ratio" in given and ("ratio" in given) == (name.endswith(("think", "spark")))
+    assert "value_ratio" in given and ("ratio" in given) == (name.endswith(("think", "spark", "mustafar")))
     (mc,) = method_configs(_compose([f"method={name}", *(f"{k}={v}" for k, v in given.items())]))
     assert mc.name == name and {k: getattr(mc, k) for k in given} == given
 

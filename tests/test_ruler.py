@@ -122,20 +122,14 @@ def test_export_roundtrip(tiny_lm, tmp_path):
         read_samples(path)
 
 
-def test_cli_ruler_all_tasks_end_to_end(tmp_path):
+def test_cli_ruler_all_tasks_end_to_end(tmp_path, console):
     """``spark-bench benchmark=ruler_all`` on tiny-llama with the qa tasks left out (they need data): every offline
-    task runs."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "benchmark=ruler_all", "benchmark.length=1536",
-         f"benchmark.tasks=[{','.join(OFFLINE)}]",
-         "benchmark.num_samples=1", "benchmark.max_new_tokens=4", "method=snapkv+spark", "ratio=0.8", "budget=0.5",
-         f"output_root={tmp_path}", "run=ruler"], capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
+    task runs (the console script's own start, in this process, offline)."""
+    code, _, err = console(["model=tiny-llama", "benchmark=ruler_all", "benchmark.length=1536",
+                            f"benchmark.tasks=[{','.join(OFFLINE)}]", "benchmark.num_samples=1",
+                            "benchmark.max_new_tokens=4", "method=snapkv+spark", "ratio=0.8", "budget=0.5",
+                            f"output_root={tmp_path}", "run=ruler"])
+    assert code == 0, err[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "ruler" / "predictions.jsonl").read_text().splitlines()]
     assert sorted(r["task"] for r in rows) == sorted(OFFLINE)
 
@@ -174,17 +168,13 @@ def test_kvpress_ruler_records_become_samples(tiny_lm, tmp_path):
         load_kvpress_ruler(["vt"], 4096, 2, tiny_lm, str(root))
 
 
-def test_cli_runs_the_kvpress_ruler_set(tmp_path):
-    import subprocess
-    import sys
-
+def test_cli_runs_the_kvpress_ruler_set(tmp_path, console):
     root = _kvpress_set(tmp_path)
-    cmd = [sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", "method=snapkv", "budget=0.5",
-           "ruler.source=kvpress", f"ruler.kvpress_path={root}", "benchmark.length=4096", "benchmark.num_samples=2",
-           "benchmark.tasks=[niah_single_1]", "benchmark.max_new_tokens=3", "progress=false",
-           f"output_root={tmp_path}", "run=kv"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, _, err = console(["model=tiny-llama", "method=snapkv", "budget=0.5", "ruler.source=kvpress",
+                            f"ruler.kvpress_path={root}", "benchmark.length=4096", "benchmark.num_samples=2",
+                            "benchmark.tasks=[niah_single_1]", "benchmark.max_new_tokens=3", "progress=false",
+                            f"output_root={tmp_path}", "run=kv"])  # the console script's own start, in-process
+    assert code == 0, err[-2000:]
     lines = (tmp_path / "kv" / "predictions.jsonl").read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == ["niah_single_1-0", "niah_single_1-1"]
 

@@ -46,7 +46,8 @@ def test_sweep_writes_predictions_scores_and_table(sweep_run, samples):
     assert len(scores) == len(SWEEP) * 2
     table = (out / "table.md").read_text().splitlines()
     assert table[0] == ("| Method | niah_single_1 | niah_multikey_2 | Avg | NLL | KL full | Agree | KV % | Key ratio | "
-                        "KV MiB | Prefill s | Compress s | Decode tok/s | Peak MiB |")
+                        "KV MiB | Prefill s | Compress s | Decode tok/s | Peak MiB | Out tok | Stop % | s/answer | "
+                        "Fidelity s |")
     assert [row.split(" | ")[0].lstrip("| ") for row in table[2:2 + len(SWEEP)]] == [c.label for c in SWEEP]
     # the cost beside the scores: positive, the bytes the predictions' own, the tokens over the decode seconds
     frame = pd.DataFrame(lines).merge(pd.DataFrame(timings), on=["id", "config"])
@@ -130,11 +131,10 @@ def test_cli_multirun_end_to_end(tmp_path, monkeypatch):
     assert {r.data.params["ratio"] for r in runs} == {"0.5", "0.8"}
 
 
-def test_cli_unknown_method_lists_valid_ones(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "method=bogus", f"output_root={tmp_path}"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "snapkv+spark" in proc.stderr and "bogus" in proc.stderr
+def test_cli_unknown_method_lists_valid_ones(tmp_path, console):
+    code, _, err = console(["method=bogus", f"output_root={tmp_path}"])  # the console script's start, in-process
+    assert code == 2
+    assert "snapkv+spark" in err and "bogus" in err
     assert not any(tmp_path.iterdir())
 
 
@@ -178,13 +178,13 @@ def test_configs_differing_only_in_an_option_get_their_own_rows(tiny_lm, samples
                                             "+ThinK (0.5) [think_keep_window=true]"]
 
 
-def test_repeated_sweep_config_is_one_line_before_anything_runs_even_in_a_dry_run(tmp_path):
+def test_repeated_sweep_config_is_one_line_before_anything_runs_even_in_a_dry_run(tmp_path, console):
     for extra in ([], ["dry_run=true"]):
-        proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "model=tiny-llama", *extra,
-                               "sweep.configs=[{name:snapkv,budget:64},{name:full},{name:snapkv,budget:64}]",
-                               f"output_root={tmp_path}"], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        assert proc.stderr.strip().splitlines() == [
+        code, _, err = console(["model=tiny-llama", *extra,
+                                "sweep.configs=[{name:snapkv,budget:64},{name:full},{name:snapkv,budget:64}]",
+                                f"output_root={tmp_path}"])
+        assert code == 2, err[-2000:]
+        assert err.strip().splitlines() == [
             "spark-bench: error: sweep.configs: the sweep lists the same method config more than once: SnapKV @64"]
         assert not any(tmp_path.iterdir())
 

@@ -148,3 +148,32 @@ def test_an_address_keeps_where_it_came_from_through_shared_memory_and_shuffles(
     assert [cls for _, cls, _ in r.loads] == ["table", "dram"]
     # the table load's data went, through shared memory, into the DRAM load's address: a dependent wait
     assert [(w.source, w.dependent) for w in r.waits if w.source == "table"] == [("table", True)]
+
+
+def test_a_prefetch_of_the_next_block_leaves_the_l2_latency_or_what_is_left():
+    """``prefetch.global.L2`` (``CCTL.E.PF2``) of the next block's lines of an array: that array's load in the next
+    block — its address computed from the same table entries — waits for what is left of the DRAM latency since the
+    prefetch issued, at least the L2's; a prefetch of another array (another table entry) credits nothing."""
+    assert flow.parse("@P5 CCTL.E.PF2 [R90]").kind == "prefetch"
+    work = [f"FFMA R{30 + i % 4}, R{30 + i % 4}, R{30 + i % 4}, R{30 + i % 4}" for i in range(200)]
+
+    def block(prefetch_from):
+        return ["LDG.E.64 R6, desc[UR4][R2.64]", "LDG.E.64 R16, desc[UR4][R2.64+0x8]",  # (two arrays' addresses)
+                "IMAD.WIDE.U32 R8, R20, 0x80, R6", "LDG.E R10, desc[UR4][R8.64]",
+                f"IMAD.WIDE.U32 R12, R20, 0x80, {prefetch_from}", "IADD3 R12, P0, R12, 0x80, RZ",
+                *(["CCTL.E.PF2 [R12]"] if prefetch_from else []), "FADD R14, R10, R10", *work,
+                "IADD3 R20, R20, 0x1, RZ"]
+
+    plain, plain_cycles = run(block(""), repeats=6)
+    ahead, ahead_cycles = run(block("R6"), repeats=6)
+    passes = run.passes
+    other, other_cycles = run(block("R16"), repeats=6)
+    assert [w.source for w in plain.waits if w.cycles > 100] == ["dram"]
+    assert DRAM + 200 <= plain_cycles <= DRAM + 260 and other_cycles == plain_cycles
+    waits = [w for p in passes[-2:] for w in p.waits if w.cycles > 100]
+    assert [w.source for w in waits] == ["prefetched", "prefetched"]
+    # each wait is what the block before left of the latency (blocks alternate short and long: a short block leaves
+    # more for the next), on average DRAM − a block; never less than the L2's
+    mean = sum(w.cycles for w in waits) / 2
+    assert abs(mean - (DRAM - ahead_cycles)) <= 20 and min(w.cycles for w in waits) >= LAT.l2 - 20
+    assert ahead_cycles < 0.65 * plain_cycles

@@ -217,9 +217,10 @@ def summarise(run, cycles: float, lat: Latencies, instructions: int) -> dict:
     stalls: dict = {}
     for w in run.waits:
         stalls[w.source] = stalls.get(w.source, 0.0) + w.cycles
-    trips = [w for w in run.waits if w.source == "dram" and w.cycles >= lat.dram / 4]
+    trips = [w for w in run.waits if w.source in ("dram", "prefetched") and w.cycles >= lat.dram / 4]
     loads: dict = {}
-    for _, cls, b in run.loads:
+    for _, cls, b in run.loads:  # (a prefetched load's bytes still come from DRAM, by its prefetch)
+        cls = "dram" if cls == "prefetched" else cls
         loads[cls] = loads.get(cls, 0) + b
     return {"cycles": cycles, "instructions": instructions, "stall_cycles": {k: round(v) for k, v in stalls.items()},
             "dram_round_trips": len(trips), "dependent_round_trips": sum(w.dependent for w in trips),

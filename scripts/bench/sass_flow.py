@@ -131,6 +131,8 @@ def parse(text: str) -> Op:
         kind = {"STG": "global_store", "ST": "global_store", "STS": "shared_store", "STSM": "shared_store",
                 "BRA": "branch", "BAR": "barrier", "LDGDEPBAR": "async_commit", "DEPBAR": "async_wait",
                 "EXIT": "branch", "RED": "global_store"}.get(base, "other")
+        if base == "CCTL" and ".PF" in opcode:  # prefetch.global.L1/L2: a line requested, nothing returned
+            kind = "prefetch"
         data_n = max(1, width // 4)
         if base == "STSM":
             data_n = 4 if opcode.endswith(".4") else 2 if opcode.endswith(".2") else 1
@@ -244,6 +246,8 @@ class Warp:
         self.addressed: set[int] = set()        # loads whose data went into a later load's address or predicate
         self.issued = 0                         # load ids
         self.cells: dict[int, tuple] = {}       # shared memory: immediate offset → (provenance, feeds, cycle) stored
+        self.texts: dict[int, str] = {}         # load id → its instruction
+        self.prefetched: dict[frozenset, float] = {}  # a prefetch's address roots → when it was issued
         self.groups: list = []   # committed LDGSTS groups: (completion cycle, class, instruction), oldest first
         self.open: list = []     # LDGSTS issued since the last commit
 
@@ -255,6 +259,13 @@ class Warp:
         if slots & self.l2slots:
             return "l2"
         return "dram"
+
+    def roots(self, op: Op) -> frozenset:
+        """The loads (by instruction) whose data ``op``'s address was computed from: the table entries holding an
+        array's address, its row offset, its stride — the same for a load and the prefetch of the same array's
+        next block, whichever block issued them."""
+        ids = frozenset().union(*(self.feeds.get(r, frozenset()) for r in op.addr))
+        return frozenset(self.texts[i] for i in ids if i in self.texts)
 
     def latency(self, op: Op, cls: str | None) -> float:
         lat = self.lat
@@ -315,6 +326,17 @@ class Warp:
             issue = need
             cls = self.load_class(op) if op.kind in ("global_load", "async_copy") else None
             lat = self.latency(op, cls)
+            if op.kind == "prefetch":
+                roots = self.roots(op)
+                if roots:
+                    self.prefetched[roots] = issue
+            elif cls == "dram" and self.prefetched:
+                # lines an earlier prefetch of the same array requested (e.g. the block before, for this one): in
+                # L2 once the DRAM latency has passed since, else after what is left of it
+                asked = self.prefetched.get(self.roots(op))
+                if asked is not None:
+                    lat = max(self.lat.l2, self.lat.dram - (issue - asked))
+                    cls = "prefetched"
             if op.kind == "barrier":
                 self.hold = issue + self.lat.bar
             elif op.kind == "async_copy":
@@ -350,6 +372,7 @@ class Warp:
             if op.kind == "global_load":
                 self.issued += 1
                 feeds = frozenset({self.issued})
+                self.texts[self.issued] = op.text
             elif op.kind == "shared_load":
                 feeds = cell[1]
             else:

@@ -157,6 +157,7 @@ def latency_section(d: dict | None) -> list[str]:
              "(dependent) | in flight/SM | fraction of bound (limit) | goal | layer | grid |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     wanted = goals.get("fraction_of_bound", {})
+    notes = []  # (the SparK-over-dense lines: after the table, not inside it)
     for label in ("before", "after"):
         r = d.get(label)
         if not r:
@@ -184,10 +185,32 @@ def latency_section(d: dict | None) -> list[str]:
         for arch, by_gqa in r.get("spark_over_dense_32k", {}).items():
             for gqa, ratio in by_gqa.items():
                 limit = goals.get("spark_over_dense_32k", 0.4)
-                lines.append(f"- {label}, {arch}, GQA {gqa.removeprefix('gqa')}: a SparK(0.8) row (20% of a 32K "
+                notes.append(f"- {label}, {arch}, GQA {gqa.removeprefix('gqa')}: a SparK(0.8) row (20% of a 32K "
                              "prompt) takes " + " / ".join(f"{v:.2f}" for v in ratio.values()) + "× a dense 32K row's "
                              f"modelled layer time at {' / '.join(ratio)} (goal ≤ {limit}, "
                              f"{verdict(all(v <= limit for v in ratio.values()))})")
+    return lines + [""] + notes
+
+
+def fidelity_cost_section(d: dict | None) -> list[str]:
+    """What the fidelity pass costs a sweep (``scripts/bench/fidelity_cost.py``), against the issue's 15% bound."""
+    if not d:
+        return []
+    lines = ["", "## The fidelity pass's share of a sweep (`scripts/bench/fidelity_cost.py`)", "",
+             "| measurement | sweep | wall off → on (s) | pass (fidelity_s, s) | pass / wall, timed | "
+             "(on − off) / on | goal | identical tokens |", "|---|---|---|---|---|---|---|---|"]
+    for label, e in d.items():
+        lines.append(f"| {label} | {e['configs']} configs, {e['model']}, {e['benchmark']}, {e['device']} | "
+                     f"{e['off']['wall_s']} → {e['on']['wall_s']} | {e['on']['fidelity_s']} | "
+                     f"**{100 * e['pass_share_timed']:.1f}%** | {100 * e['pass_share_wall']:.1f}% | ≤ "
+                     f"{100 * e['goal']:.0f}% ({verdict(e['pass_share_timed'] <= e['goal'])}) | "
+                     f"{e['identical_tokens']} |")
+        if "on_before" in e:
+            b = e["on_before"]
+            lines.append(f"| {label}: the pass before (two continuations per row) | same | {e['off']['wall_s']} → "
+                         f"{b['wall_s']} | {b['fidelity_s']} | {100 * e['pass_share_timed_before']:.1f}% | "
+                         f"{100 * e['pass_share_wall_before']:.1f}% | ≤ {100 * e['goal']:.0f}% "
+                         f"({verdict(e['pass_share_timed_before'] <= e['goal'])}) | {e['identical_tokens']} |")
     return lines
 
 
@@ -316,6 +339,7 @@ def main() -> None:
             lines.append(f"| {name} | {r['predicted_peak_mib']} | {r['measured_peak_mib']} | "
                          f"{r['measured_over_predicted']} ({verdict(0.8 <= r['measured_over_predicted'] <= 1.2)}) | "
                          f"{r['predicted_dynamic_mib']} → {r['measured_dynamic_mib']} |")
+    lines += fidelity_cost_section(load("fidelity_cost"))
     (OUT / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 

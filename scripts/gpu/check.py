@@ -351,6 +351,10 @@ def _fused_layer(bench: Bench, ctxs: list, heads: int | None = None) -> dict:
     length = 1 + scale.warm + (scale.repeats + 1) // 2  # the tail at the median call
     nbytes = _layer_bytes(rows, length)
     peak = bench.peak[0]
+    kernels = _attend_kernels(bench, layer, query, scaling)
+    if "seconds" in kernels:  # (the tail as the graph reads it: every call's token appended)
+        kernels["bytes"] = _layer_bytes(rows, 1 + scale.warm + scale.repeats)
+        kernels["fraction_of_peak"] = kernels["bytes"] / kernels["seconds"] / peak if peak else None
     tables = [t for unit in getattr(layer, "units", []) for t in unit.get("tables", {}).values()]
     held = 0
     for t in tables:
@@ -359,7 +363,47 @@ def _fused_layer(bench: Bench, ctxs: list, heads: int | None = None) -> dict:
             "loose_rows": len(layer.loose), "bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds,
             "fraction_of_peak": nbytes / seconds / peak if peak else None, "error_vs_reference": error,
             "tolerance": TOLERANCE[bench.dtype], "kinds": [k for i, k in enumerate(KINDS) if held >> i & 1],
-            "walk": any(getattr(t, "walk_tab", None) is not None for t in tables)}
+            "walk": any(getattr(t, "walk_tab", None) is not None for t in tables), "attend_kernels": kernels}
+
+
+def _attend_kernels(bench: Bench, layer, query, scaling: float) -> dict:
+    """The layer's ``attend`` alone (after its last ``update``: a repeated attend reads the same step), replayed from
+    a CUDA graph: the kernels' own time, none of the host's launch work between them — what the latency model
+    (scripts/bench/latency_model.py) predicts, where ``seconds`` above also holds the host's gaps. With it, each
+    kernel's time from the profiler (``per_kernel``; where CUPTI answers). On the CPU (smoke) nothing is captured:
+    ``graph`` says why."""
+    if bench.device.type != "cuda":
+        return {"graph": "not captured: CUDA graphs need a CUDA device"}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (warm on a side stream, as capture asks)
+        for _ in range(3):
+            layer.attend(query, scaling)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            layer.attend(query, scaling)
+    except Exception as e:  # (a host sync inside attend: say so, the section's other figures stand)
+        return {"graph": f"not captured: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    out = {"graph": "captured", "seconds": bench.timer.median(graph.replay, bench.scale.warm, bench.scale.repeats)}
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+        per = {}
+        for ev in prof.key_averages():
+            if getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type) and ev.count:
+                name = re.sub(r"_kernel.*", "_kernel", ev.key)[:60]
+                total = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                per[name] = per.get(name, 0.0) + total / 1e6 / 5  # (µs over five replays → seconds per replay)
+        out["per_kernel"] = per or "no kernels reported (CUPTI)"
+    except Exception as e:
+        out["per_kernel"] = f"not profiled: {type(e).__name__}: {e}"
+    return out
 
 
 # One row of each member loop of the fused kernel (storage/segments.py KINDS), the signed walk included, at a head_dim

@@ -74,9 +74,31 @@ FIELDS = {
     "context_end": Field(BOUNDARY, rule="where the question starts: at most question_end and len(input_ids)"),
     "question_end": Field(BOUNDARY, rule="where the user turn ends: at least context_end, at most len(input_ids)"),
 }
+# several questions over one context (a record of its own, not a Sample field: the record stands for one sample per
+# question, :func:`to_samples`): the record's ``input_ids`` are the context (template head + context), each question
+# object holds the ids that follow it (the question, then the end of turn, assistant header and answer prefix) and its
+# own answers; under a query-agnostic scope (``compress_scope=context``) each config compresses the context once and
+# answers every question from that one cache (:mod:`spark_bench.runner`)
+QUESTION_FIELDS = {
+    "input_ids": Field(Option("list", nonempty=True, items=TOKEN_ID), True,
+                       "the question and what follows it (end of turn, assistant header, answer prefix): they follow "
+                       "the record's input_ids (the context); inside the model's vocabulary"),
+    "answers": FIELDS["answers"],
+    "question_end": Field(Option("int", 0, nullable=True, null="unknown: compress_scope=context or prompt only"),
+                          rule="where the user turn ends, counted in the question's own input_ids (at most their "
+                               "length)"),
+    "id": Field(TEXT, rule="one line, unique in the file; the question's predictions are stored under it"),
+}
+QUESTIONS = Field(Option("list", nonempty=True, items=Option("dict")),
+                  rule="several questions over the record's input_ids (then its context, whole): one object each, with "
+                       "the questions[].* fields below; the record then has no answers, context_end or question_end "
+                       "(each question has its own); one sample per question, scored on its own")
+QUESTION_DEFAULTS = {"question_end": "null", "id": '"<id>/q<k>" (k = 1, 2, …)'}
 # the keys of ``meta`` spark-bench itself reads (the runner's length column, LongBench-E's 0-4k / 4-8k / 8k+
-# buckets); the others are the user's own
-META = {"length": Option("int", 0, nullable=True, null="unknown"), "truncated": Option("bool")}
+# buckets; the context a question shares with others and its position among them, which spark-bench sets:
+# :func:`spark_bench.samples.group_contexts`); the others are the user's own
+META = {"length": Option("int", 0, nullable=True, null="unknown"), "truncated": Option("bool"),
+        "context": TEXT, "question": Option("int", 1)}
 IGNORED = ("prompt",)  # what export adds besides the fields: the prompt's text, for people to read
 SHOWN = 5  # problems named in the one line; the rest are counted
 _SAMPLE_FIELDS = {f.name: f for f in fields(Sample)}
@@ -111,8 +133,12 @@ def default(name: str) -> str:
 
 
 def schema_rows() -> list[tuple[str, str, str, str]]:
-    """(field, type, rule, default) per field: the table of docs/results.md (tests/test_data_file.py)."""
-    return [(name, f.option.valid(), f.rule, default(name)) for name, f in FIELDS.items()]
+    """(field, type, rule, default) per field, then ``questions`` and its objects' fields: the table of
+    docs/results.md (tests/test_data_file.py)."""
+    return ([(name, f.option.valid(), f.rule, default(name)) for name, f in FIELDS.items()]
+            + [("questions", QUESTIONS.option.valid(), QUESTIONS.rule, "[]")]
+            + [(f"questions[].{name}", f.option.valid(), f.rule, "required" if f.required else QUESTION_DEFAULTS[name])
+               for name, f in QUESTION_FIELDS.items()])
 
 
 def _shown(value) -> str:
@@ -220,6 +246,8 @@ def _rules(record: dict, ok: set[str], limits: Limits | None) -> list[str]:
                 problems.append(problem)
     for scope in sorted(limits.scopes if limits else ()):
         name = f"{scope}_end"
+        if "questions" in record:
+            break  # its context ends at len(input_ids); each question's question_end is checked with it
         if scope != "prompt" and (name in ok or name not in record) and record.get(name) is None:
             problems.append(f"{name} is null, and compress_scope={scope} needs it (where the "
                             f"{'user turn ends' if scope == 'question' else 'question starts'}): re-export the "
@@ -235,14 +263,15 @@ def check_record(record, limits: Limits | None = None) -> list[str]:
                 f", …); got {_shown(record)}"]
     problems = []
     for key in record:
-        if key not in FIELDS and key not in IGNORED:
-            close = difflib.get_close_matches(key, [*FIELDS, *IGNORED], n=1)
+        if key not in FIELDS and key not in IGNORED and key != "questions":
+            close = difflib.get_close_matches(key, [*FIELDS, "questions", *IGNORED], n=1)
             hint = f"did you mean {close[0]}?" if close else "annotations of one's own go in meta"
             problems.append(f"{_shown(key)} is not a field of a sample ({hint})")
     ok = set()
+    many = "questions" in record
     for name, f in FIELDS.items():
         if name not in record:
-            if f.required:
+            if f.required and not (many and name == "answers"):
                 problems.append(f"{name} is missing (required: {f.option.valid()})")
             continue
         problem = _type_problem(name, record[name], f.option)
@@ -257,14 +286,88 @@ def check_record(record, limits: Limits | None = None) -> list[str]:
         if problem:
             problems.append(problem)
             ok.discard(name)
+    if many:
+        problems += _question_problems(record, limits)
     return problems + _rules(record, ok, limits)
 
 
+def _question_problems(record: dict, limits: Limits | None) -> list[str]:
+    """What is wrong with a record's ``questions`` (:data:`QUESTIONS`, each object against
+    :data:`QUESTION_FIELDS`, named ``questions[k].field``) and with the fields such a record may not have."""
+    own = {"answers": "questions[k].answers", "context_end": "its context is the whole of input_ids",
+           "question_end": "questions[k].question_end"}
+    problems = [f"{name}: a record with questions has none ({own[name]}); drop {name}" for name in own
+                if name in record]
+    problem = _type_problem("questions", record["questions"], QUESTIONS.option)
+    if problem:
+        return problems + [problem]
+    for k, question in enumerate(record["questions"]):
+        where = f"questions[{k}]"
+        for key in question:
+            if key not in QUESTION_FIELDS:
+                close = difflib.get_close_matches(key, list(QUESTION_FIELDS), n=1)
+                hint = f"did you mean {close[0]}?" if close else f"valid: {', '.join(QUESTION_FIELDS)}"
+                problems.append(f"{where}: {_shown(key)} is not a field of a question ({hint})")
+        for name, f in QUESTION_FIELDS.items():
+            if name not in question:
+                if f.required:
+                    problems.append(f"{where}.{name} is missing (required: {f.option.valid()})")
+                continue
+            problem = _type_problem(f"{where}.{name}", question[name], f.option)
+            if problem is None and f.option.items != TOKEN_ID:
+                problem = _bad_text(question[name], f"{where}.{name}")
+            if problem:
+                problems.append(problem)
+                continue
+            if name == "answers":
+                blank = [i for i, a in enumerate(question[name]) if not a.strip()]
+                if blank:
+                    problems.append(f"{where}.answers[{blank[0]}] is blank, so it matches any prediction; got "
+                                    f"{_shown(question[name][blank[0]])}")
+                elif record.get("metric") == "retrieval" and not all(re.search(r"Paragraph \d+", a)
+                                                                      for a in question[name]):
+                    problems.append(f"{where}.answers: metric retrieval needs each answer to name 'Paragraph <n>'; "
+                                    f"got {_shown(question[name])}")
+            elif name == "id" and not question[name].isprintable():
+                problems.append(f"{where}.id must be one line of printable text; got {_shown(question[name])}")
+            elif name == "input_ids":
+                problem = _vocab_problem(f"{where}.input_ids", question[name], limits)
+                if problem:
+                    problems.append(problem)
+            elif name == "question_end" and question[name] is not None and \
+                    isinstance(question.get("input_ids"), list) and question[name] > len(question["input_ids"]):
+                problems.append(f"{where}.question_end={question[name]} is past the question's end "
+                                f"(len(questions[{k}].input_ids)={len(question['input_ids'])})")
+        if "question" in (limits.scopes if limits else ()) and question.get("question_end") is None:
+            problems.append(f"{where}.question_end is null, and compress_scope=question needs it (where the user "
+                            "turn ends): give it, or run with compress_scope=context or prompt")
+    return problems
+
+
 def to_sample(record: dict) -> Sample:
-    """A checked record as a :class:`Sample` (lists as tuples, ``prompt`` dropped)."""
+    """A checked record (without ``questions``) as a :class:`Sample` (lists as tuples, ``prompt`` dropped)."""
     values = {k: record[k] for k in FIELDS if k in record}
     values.update({k: tuple(values[k]) for k in ("input_ids", "answers", "stop_token_ids") if k in values})
     return Sample(**values)
+
+
+def question_id(record_id: str, k: int) -> str:
+    """The id of a record's ``k``-th question (from 1) when the question names none."""
+    return f"{record_id}/q{k}"
+
+
+def to_samples(record: dict) -> list[Sample]:
+    """A checked record as its samples: itself, or with ``questions`` one sample per question — the context's ids
+    then the question's (``context_end`` where the question starts, ``question_end`` shifted by it), the question's
+    answers and id, ``meta.context`` the record's id and ``meta.question`` the position (from 1)."""
+    if "questions" not in record:
+        return [to_sample(record)]
+    context = to_sample({**record, "answers": ["-"]})
+    n = len(context.input_ids)
+    return [replace(context, id=q.get("id", question_id(context.id, k)), input_ids=context.input_ids + tuple(
+        q["input_ids"]), answers=tuple(q["answers"]), context_end=n, question_end=None if q.get("question_end") is None
+        else n + q["question_end"], meta={**context.meta, "context": context.id, "question": k})
+        for k, q in enumerate(record["questions"], 1)]
 
 
 def fit(sample: Sample, limits: Limits) -> tuple[Sample | None, str | None]:
@@ -327,19 +430,32 @@ def parse(path: str | Path, limits: Limits | None = None) -> tuple[list[Sample],
     for lineno, record, problem in jsonl_records(Path(path)):
         records += 1
         found = [problem] if problem else check_record(record, limits)
-        if isinstance(record, dict) and isinstance(record.get("id"), str):
-            first = seen.setdefault(record["id"], lineno)
-            if first != lineno:
-                found.append(f"id {_shown(record['id'])} repeats line {first}'s (ids must be unique)")
+        for name, value in _ids(record):
+            first = seen.setdefault(value, (lineno, name))
+            if first != (lineno, name):
+                where = "line {}'s".format(first[0]) if first[0] != lineno else "another question's of this record"
+                found.append(f"{name} {_shown(value)} repeats {where} (ids must be unique)")
         if not found:
-            sample = to_sample(record)
-            if limits is not None:
-                sample, problem = fit(sample, limits)
-                found = [problem] if problem else []
-            if sample is not None:
-                samples.append(sample)
+            for sample in to_samples(record):
+                if limits is not None:
+                    sample, problem = fit(sample, limits)
+                    found += [problem] if problem else []
+                if sample is not None:
+                    samples.append(sample)
         problems += [(lineno, text) for text in found]
     return samples, problems, records
+
+
+def _ids(record) -> list[tuple[str, str]]:
+    """``(field, id)`` of every sample a record stands for that has a string id: its ``id``, or with ``questions``
+    each question's (given, or :func:`question_id`)."""
+    if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+        return []
+    questions = record.get("questions")
+    if not isinstance(questions, list):
+        return [("id", record["id"])]
+    return [(f"questions[{k}].id", q.get("id", question_id(record["id"], k + 1))) for k, q in enumerate(questions)
+            if isinstance(q, dict) and isinstance(q.get("id", ""), str)]
 
 
 def summary(path, problems: list[tuple[int, str]], records: int) -> str:

@@ -25,7 +25,9 @@ from spark_bench.engine.graphs import GraphSteps
 from spark_bench.engine.launch import StackedLaunch
 from spark_bench.engine.partial import Partial, exact_keys, merge, scaled_queries, tail_attention  # noqa: F401
 from spark_bench.storage.bits import pack_bits, tensor_bytes, unpack_bits
-from spark_bench.storage.dispatch import compact_backend, compact_logits, kernel_blocker, reference_logits
+from spark_bench.storage.dispatch import (
+    compact_backend, compact_logits, fallback, kernel_blocker, reference_logits, value_blocker,
+)
 from spark_bench.storage.segments import FusedTables, SegmentStack, ValueStack, store_blocker
 from spark_bench.storage.stores import DenseStore, Store
 
@@ -158,20 +160,26 @@ class CompressedCache(Cache):
 
 
 def store_device(store: Store) -> torch.device:
-    """The device of a value store's tensors (a :class:`DenseStore`'s data, an unstructured store's kept entries)."""
+    """The device of a value store's tensors (a :class:`DenseStore`'s data, an unstructured store's kept entries, a
+    windowed store's own ``device``)."""
+    if hasattr(store, "device"):
+        return store.device
     return (store.data if hasattr(store, "data") else store.kept).device
 
 
-def stackable(layer: StoredLayer, backend: str) -> str | None:
+def stackable(layer: StoredLayer, backend: str, warn: bool = False) -> str | None:
     """Why this row's layer cannot join its batch's stacks (None: it can): a compact kernel must serve the device
     (``backend``, :func:`~spark_bench.storage.segments.compact_backend`), the key store's layout and recovery, and
-    the values must be a dense tensor (value-pruned rows rebuild their values per step, on the per-row path)."""
+    the values must be a dense tensor (value-pruned rows rebuild their values per step, on the per-row path:
+    :func:`~spark_bench.storage.dispatch.value_blocker`). ``warn``: a decode batch says once per reason why a row
+    is not stacked (its keys' layout, its values), so no row leaves the stacks silently."""
     if backend.startswith("no:"):
         return backend[4:]
     reason = store_blocker(layer.key_store)
-    if reason is not None:
-        return reason
-    return None if isinstance(layer.value_store, DenseStore) else "value channels are pruned"
+    if reason is not None and warn:
+        fallback(reason)
+    values = value_blocker(layer.value_store, backend, warn)
+    return reason if reason is not None else values
 
 
 class BatchedLayer(StackedLaunch, CacheLayerMixin):
@@ -223,7 +231,7 @@ class BatchedLayer(StackedLaunch, CacheLayerMixin):
         self.lengths = [row.key_store.length for row in rows]
         self.s_max = max(self.lengths)
         self.backend = compact_backend(device) if mode == "compact" else "no: materialize"
-        kernel = [i for i, row in enumerate(rows) if stackable(row, self.backend) is None]
+        kernel = [i for i, row in enumerate(rows) if stackable(row, self.backend, warn=True) is None]
         if self.backend == "cpp" and not stack:
             kernel = []  # the CPU per-row path: each row's own scores (the C++ kernel through a one-store table)
         self.rows = rows

@@ -23,6 +23,7 @@ every position read, so under causal attention it changes nothing that is read.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +52,15 @@ class ForcedRow:
 @dataclass(frozen=True)
 class Fidelity:
     """One row's three numbers (None where undefined: no reference tokens, no full-cache row); ``kl_tokens``: the
-    positions ``kl_full`` and ``agree_full`` average over."""
+    positions ``kl_full`` and ``agree_full`` average over; ``seconds``: the row's share of the pass (the forwards
+    its continuations ran in, shared equally by the continuations of each forward, and their reduction to the
+    numbers; wall time, read after the host has the numbers, so true on an asynchronous device too)."""
 
     answer_nll: float | None
     kl_full: float | None
     agree_full: float | None
     kl_tokens: int
+    seconds: float = 0.0
 
 
 def _output_head(model: nn.Module):
@@ -76,20 +80,21 @@ def iter_forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool =
                           checks: FastPaths | None = None):
     """``(i, log_probs)`` for every row ``i``: its ``(len(fed) + 1, V)`` float32 log-probabilities of the next token,
     position 0 the one decoding takes its first token from, position ``k`` after ``fed[:k]``. Rows with equal suffix
-    lengths run as one forward (as decoding groups them), in :meth:`BatchedCache.order`; the caches are read, not
-    consumed. The forward stops at the decoder's hidden states and each row's logits are made from its own
-    positions when it is yielded (:func:`_output_head`), so one row's ``(positions, V)`` logits exist at a time, not
-    the batch's. ``checks``: the run's fast-path record (:mod:`~spark_bench.engine.fastpaths`; default: a new one,
+    lengths (and attention mode) run as one forward (as decoding groups them), stacked in :meth:`BatchedCache.order`;
+    a group's rows are yielded in the order of ``rows`` (the groups in the order of their first rows), so the first
+    row comes first; the caches are read, not consumed. The forward stops at the decoder's hidden states and each
+    row's logits are made from its own positions when it is yielded (:func:`_output_head`), so one row's
+    ``(positions, V)`` logits exist at a time, not the batch's. ``checks``: the run's fast-path record (:mod:`~spark_bench.engine.fastpaths`; default: a new one,
     the call a run of its own)."""
     checks = FastPaths() if checks is None else checks
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, str], list[int]] = {}
     for i, row in enumerate(rows):
         if not row.suffix and row.first_logits is None:
             raise ValueError("a teacher-forced row needs first_logits or a suffix to run through its cache")
-        groups.setdefault(len(row.suffix), []).append(i)
+        groups.setdefault((len(row.suffix), row.cache.attention), []).append(i)  # a batch has one attention mode
     device = model.get_input_embeddings().weight.device
     split = _output_head(model)
-    for n, members in groups.items():
+    for (n, _), members in groups.items():
         longest = max(len(rows[i].fed) for i in members)
         steps = n + longest
         keep = longest + (1 if n else 0)  # the positions read: the suffix's last, then one after each fed token
@@ -108,11 +113,12 @@ def iter_forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool =
                 else:
                     states = model(**inputs, logits_to_keep=keep).logits
             del cache
-        for j, i in enumerate(order):
+        at = {i: j for j, i in enumerate(order)}
+        for i in members:  # in the order of rows (the batch's own order only inside the forward)
             row = rows[i]
             parts = [] if n else [row.first_logits.reshape(1, -1).float().to(device)]
             if states is not None:
-                mine = states[j, :len(row.fed) + (1 if n else 0)]
+                mine = states[at[i], :len(row.fed) + (1 if n else 0)]
                 parts.append((split[1](mine) if split is not None else mine).float())
             yield i, torch.log_softmax(torch.cat(parts), dim=-1)
 
@@ -144,39 +150,73 @@ def kl_agree(full: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
 
 def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], greedy: list[int],
             full: int | None = None, full_log_probs: torch.Tensor | None = None, stack: bool = True,
-            tokens: int = KL_TOKENS, checks: FastPaths | None = None) -> tuple[list[Fidelity], torch.Tensor | None]:
+            tokens: int = KL_TOKENS, checks: FastPaths | None = None, merge: bool = True,
+            stacked: bool = True, batch: int | None = None) -> tuple[list[Fidelity], torch.Tensor | None]:
     """The three numbers of rows of one sample, and the full cache's log-probabilities they were compared with.
 
     ``rows``: one per method config (``fed`` is set here); ``reference``: the answer's token ids (empty: no
     ``answer_nll``); ``greedy``: the full row's decoded tokens (its stop token excluded); ``full``: the index of the
     full-cache row among ``rows``, whose greedy continuation is teacher-forced first, or ``full_log_probs``: that
     continuation's log-probabilities from an earlier call (a sample whose rows decode in several batches); neither:
-    no ``kl_full`` / ``agree_full``. Each row gives two continuations (the reference answer, the greedy tokens),
-    teacher-forced together in one forward per row (the full row's greedy continuation alone, first): a row's
-    numbers do not depend on which rows share its decode batch, byte for byte, and a forward holds two
-    continuations whatever the sweep's size. Each row's log-probabilities are reduced to its numbers as they come:
-    only the full row's continuation (``(positions, V)``) outlives its forward. ``checks``: the run's fast-path
-    record."""
+    no ``kl_full`` / ``agree_full``. Each row gives two continuations (the reference answer, the greedy tokens).
+    ``merge``: when one continuation's tokens begin the other's (the full cache answered as the reference does, for
+    as far as both go), each row runs the longer one alone and reads both sets of positions from it — under causal
+    attention the distributions after the same tokens are the same, so the numbers are those of the two
+    continuations (to float rounding, ``tests/test_fidelity_switch.py``) for about half the tokens.
+
+    ``stacked`` (default): the continuations of up to ``batch`` rows (None: all) run as one teacher-forced forward,
+    their caches stacked as decoding stacks a step's rows (:func:`iter_forced_log_probs`; rows of another suffix
+    length or attention mode in a forward of their own), the full row's continuation first, so a sample's pass is
+    one forward per ``batch`` configs instead of one per config. ``stacked=False``: the reference path, one forward
+    per row (its two continuations together; the full row's greedy continuation alone, first), whose numbers do not
+    depend on the other rows byte for byte; the stacked path gives them to float rounding (the matmuls' shapes
+    differ; ``tests/test_fidelity.py``). Each row's log-probabilities are reduced to its numbers as they come: only
+    the full row's continuation (``(positions, V)``) outlives its forward. ``checks``: the run's fast-path record."""
     greedy_fed = list(greedy[:tokens - 1])
+    answer_fed = list(reference[:-1])
     compared = full is not None or full_log_probs is not None
-    # (row, continuation) per forward: the full row's greedy one first, alone; then each row's own
-    passes = [[(full, "greedy")]] * (full is not None) + [
-        [(r, "answer")] * bool(reference) + [(r, "greedy")] * (compared and r != full) for r in range(len(rows))]
+    positions = len(greedy_fed) + 1
+    both = merge and bool(reference) and compared and \
+        answer_fed[:len(greedy_fed)] == greedy_fed[:len(answer_fed)]
+    longer = answer_fed if len(answer_fed) >= len(greedy_fed) else greedy_fed
+    fed = {"answer": answer_fed, "greedy": greedy_fed, "both": longer}
+    # each row's (row, continuation)s, the full row first; then grouped into forwards
+    order = ([full] if full is not None else []) + [r for r in range(len(rows)) if r != full]
+    if both:
+        mine = {r: [(r, "both")] for r in order}
+    else:
+        mine = {r: [(r, "greedy")] * (compared and (r == full)) + [(r, "answer")] * bool(reference)
+                + [(r, "greedy")] * (compared and r != full) for r in order}
+    if stacked:
+        size = max(1, batch or len(order))
+        passes = [[item for r in order[k:k + size] for item in mine[r]] for k in range(0, len(order), size)]
+    elif both:
+        passes = [mine[r] for r in order]
+    else:  # the full row's greedy continuation alone, first; then each row's own
+        passes = ([mine[full][:1]] if full is not None else []) + [mine[r][r == full:] for r in order]
     nll: dict[int, float] = {}
     kl: dict[int, tuple[float, float]] = {}
+    seconds = [0.0] * len(rows)
     for part in filter(None, passes):
-        forced = [ForcedRow(rows[r].cache, rows[r].first_logits, rows[r].position, rows[r].suffix,
-                            list(reference[:-1]) if which == "answer" else greedy_fed) for r, which in part]
+        start = time.perf_counter()
+        forced = [ForcedRow(rows[r].cache, rows[r].first_logits, rows[r].position, rows[r].suffix, fed[which])
+                  for r, which in part]
         for j, log_probs in iter_forced_log_probs(model, forced, stack, checks):
             r, which = part[j]
-            if which == "answer":
+            if which in ("answer", "both"):
                 nll[r] = mean_nll(log_probs, reference)
-            elif r == full:
-                full_log_probs, kl[r] = log_probs, kl_agree(log_probs, log_probs)
+            if which == "answer":
+                continue
+            along = log_probs[:positions]
+            if r == full:  # kept until the sample's last row: only its own positions
+                full_log_probs = along.clone() if len(along) < len(log_probs) else along
+                kl[r] = kl_agree(full_log_probs, full_log_probs)
             else:
-                kl[r] = kl_agree(full_log_probs, log_probs)
-    positions = len(greedy_fed) + 1
-    return ([Fidelity(nll.get(r), *(kl[r] if r in kl else (None, None)), positions if r in kl else 0)
+                kl[r] = kl_agree(full_log_probs, along)
+        elapsed = (time.perf_counter() - start) / len(part)  # each number was read on the host: the work is done
+        for r, _ in part:
+            seconds[r] += elapsed
+    return ([Fidelity(nll.get(r), *(kl[r] if r in kl else (None, None)), positions if r in kl else 0, seconds[r])
              for r in range(len(rows))], full_log_probs)
 
 

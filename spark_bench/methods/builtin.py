@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 
+from spark_bench.methods.channel.leank import LeanK
+from spark_bench.methods.channel.mustafar import Mustafar, MustafarValues
 from spark_bench.methods.channel.spark import SparK
 from spark_bench.methods.channel.think import ThinK
 from spark_bench.methods.eviction.adasnapkv import AdaSnapKV
@@ -40,10 +42,17 @@ CHANNEL_METHODS = {
                              else c.recovery,
                              variant=c.variant, top_p=c.top_p, groups=c.groups, constant=c.constant, seed=c.seed,
                              recovery_stats=c.recovery_stats, saliency_dtype=c.saliency_dtype),
+    "mustafar": lambda c: Mustafar(ratio=c.ratio, window=c.mustafar_window, block=c.mustafar_block),
+    "leank": lambda c: LeanK(mask=dict(c.leank)["mask"], recent=dict(c.leank)["recent"]),
+}
+# channel method → its own value pruning (``value_ratio``), in place of Appendix D's ``ValueNorm`` (value_norm.py)
+VALUE_METHODS = {
+    "mustafar": lambda c: MustafarValues(ratio=c.value_ratio, window=c.mustafar_window, block=c.mustafar_block),
 }
 DISPLAY = {"full": "Full", "snapkv": "SnapKV", "streamingllm": "StreamingLLM", "pyramidkv": "PyramidKV",
            "adasnapkv": "AdaSnapKV", "tova": "TOVA", "expected_attention": "ExpectedAttention",
-           "think": "ThinK", "spark": "SparK"}
+           "think": "ThinK", "spark": "SparK", "mustafar": "Mustafar",
+           "leank": "LeanK"}
 METHOD_NAMES = ("full", *EVICTION_METHODS, *CHANNEL_METHODS,
                 *(f"{e}+{c}" for e, c in itertools.product(EVICTION_METHODS, CHANNEL_METHODS)))
 
@@ -57,4 +66,6 @@ METHOD_OPTIONS = {
     "think": ("ratio", "window_size", "channel_window", "think_keep_window", "window_q_norm", "saliency_dtype"),
     "spark": ("ratio", "window_size", "channel_window", "saliency", "recovery", "recovery_stats", "variant", "top_p",
               "groups", "constant", "seed", "window_q_norm", "saliency_dtype", "group_fork_fill"),
+    "mustafar": ("ratio", "mustafar_window", "mustafar_block"),
+    "leank": ("leank",),  # the mask file and the dense recent tokens (a mapping: leank.mask=, leank.recent=)
 }

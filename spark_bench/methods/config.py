@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from spark_bench.methods.base import BUDGET_ROUNDINGS
-from spark_bench.methods.builtin import CHANNEL_METHODS, DISPLAY, EVICTION_METHODS, METHOD_NAMES, METHOD_OPTIONS
+from spark_bench.methods.builtin import (
+    CHANNEL_METHODS, DISPLAY, EVICTION_METHODS, METHOD_NAMES, METHOD_OPTIONS, VALUE_METHODS,
+)
 from spark_bench.methods.channel.fork_recovery import FORK_MODES
 from spark_bench.methods.channel.recovery import RECOVERY_MODES, STATS
 from spark_bench.methods.channel.spark import GROUP_FORK_FILLS, GROUP_RATIOS, SALIENCY_DTYPES, SALIENCY_MODES, VARIANTS
@@ -20,7 +22,8 @@ from spark_bench.methods.eviction.adasnapkv import SAFEGUARDS
 from spark_bench.methods.eviction.pyramidkv import FALLBACKS
 from spark_bench.methods.eviction import kvpress_scorer
 from spark_bench.methods import registry
-from spark_bench.options import FRACTION, POSITIVE_INT, Option, check_all
+from spark_bench.methods.channel.leank import label_ratio, load_mask
+from spark_bench.options import FRACTION, LEANK_OPTIONS, POSITIVE_INT, Option, check_all
 
 MORE_NAMES = "kvpress:<press>[+think|+spark] (kvpress installed), or a method of your own (docs/development.md)"
 
@@ -82,6 +85,7 @@ OPTION_TYPES = {
     "constant": Option("number"), "seed": Option("int"),
     "think_keep_window": Option("bool"), "window_q_norm": Option("bool"),
     "n_sink": Option("int", 0), "beta": Option("int", 1), "alpha_safeguard": Option("number", 0, 1),
+    "mustafar_window": Option("int", 0), "mustafar_block": Option("int", 1),  # Mustafar's dense window, its schedule
     **{key: Option("str", choices=tuple(allowed)) for key, allowed in CHOICES.items()},
 }
 
@@ -96,6 +100,10 @@ class MethodConfig:
     ``constant`` (for ``recovery=constant``) and ``seed`` (Gaussian/Exponential sampling). Observation windows:
     ``window_size`` for SnapKV / PyramidKV / AdaSnapKV (and for ThinK / SparK unless ``channel_window`` is set;
     the official SparK fork uses 64 for the former, kvpress's default, and 32 for the latter).
+    Mustafar (``mustafar``, ``methods/channel/mustafar.py``): ``ratio`` is its key sparsity, ``value_ratio`` its
+    value sparsity (its own magnitude rule, so ``value_score`` / ``value_fill`` are not read), ``mustafar_window``
+    the most recent prompt tokens kept dense (32, its code's ``residual_length``) and ``mustafar_block`` how many
+    tokens its schedule prunes at a time (1: its accuracy code; 256: its kernel code).
 
     ``compress_scope``: which part of the prompt is compressed. ``prompt``: all of it, the first answer token from
     the full-cache prefill (SnapKV / KVCache-Factory style); ``question``: the user turn (context + question), then
@@ -143,9 +151,14 @@ class MethodConfig:
     pyramid_fallback: str = "original"
     alpha_safeguard: float = 0.2
     ada_safeguard: str = "kvpress"
+    mustafar_window: int = 32
+    mustafar_block: int = 1
     # kvpress:<press> methods: the press's own options (kvpress={window_size: 64}), kept as sorted (key, value)
     # pairs so a config stays hashable; to_dict gives them back as a mapping
     kvpress: tuple = ()
+    # method=leank / <eviction>+leank: its mapping (leank.mask=<file>, leank.recent=768; LEANK_OPTIONS), kept as
+    # sorted (key, value) pairs like kvpress's, every key present (the defaults filled in)
+    leank: tuple = (("mask", None), ("recent", 768))
     # the protocol whose options the library's spark_bench.method() started from (None: not said); shown first by
     # repr, not an option: no effect on what is computed, equality, to_dict or from_dict
     protocol: str | None = field(default=None, compare=False)
@@ -157,6 +170,7 @@ class MethodConfig:
             raise ValueError(f"kvpress must be a mapping of the press's options, e.g. kvpress={{window_size:64}}; "
                              f"got {self.kvpress!r}")
         check_name(self.name)
+        _leank_options(self)
         check_all({name: getattr(self, name) for name in option_names()}, OPTION_TYPES)
         for part in self.name.split("+"):  # a kvpress press or a method of one's own is built now: a bad option
             if part_kind(part) is not None and part not in EVICTION_METHODS and part not in CHANNEL_METHODS:
@@ -208,6 +222,8 @@ class MethodConfig:
             text += f"-g({self.groups}{vr})"
         elif self.channel_name == "spark" and self.variant == "group_fork":
             text += f"-g(fork{vr})"
+        elif self.channel_name == "leank":  # the pruned fraction its mask file holds
+            text += f"({label_ratio(self.leank)}{vr})"
         elif self.channel_name:
             text += f"({self.ratio:g}{vr})"
         elif self.value_ratio:
@@ -225,7 +241,30 @@ class MethodConfig:
         values = asdict(self)
         del values["protocol"]
         values["kvpress"] = dict(self.kvpress)
+        values["leank"] = dict(self.leank)
         return values
+
+
+def _leank_options(config: MethodConfig) -> None:
+    """``config.leank`` as sorted pairs with every key of :data:`~spark_bench.options.LEANK_OPTIONS` (its defaults
+    filled in), each checked; a mask named is read and checked (:func:`~spark_bench.methods.channel.leank.read_mask`:
+    one line on a problem). ``ValueError`` naming ``leank.<key>``."""
+    given = config.leank
+    if given is None or hasattr(given, "items"):
+        given = dict(given.items()) if given is not None else {}
+    elif isinstance(given, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in given):
+        given = dict(given)
+    else:
+        raise ValueError(f"leank must be a mapping, e.g. leank={{mask:mask.json}}; got {given!r}")
+    unknown = sorted(set(given) - set(LEANK_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join('leank.' + str(k) for k in unknown)}; valid: "
+                         f"{', '.join('leank.' + k for k in LEANK_OPTIONS)}")
+    values = {**dict(MethodConfig.__dataclass_fields__["leank"].default), **given}
+    check_all(values, LEANK_OPTIONS, "leank.")
+    object.__setattr__(config, "leank", tuple(sorted(values.items())))
+    if values["mask"] and config.channel_name == "leank":
+        load_mask(values["mask"])
 
 
 def option_names() -> tuple[str, ...]:
@@ -285,7 +324,7 @@ def relevant_options(method: dict) -> set[str]:
     the value pruning ratio (its ``value_score`` / ``value_fill`` only when it is above 0)."""
     parts = str(method.get("name", "full")).split("+")
     keys = {"compress_scope", "value_ratio"} | ({"budget"} if part_kind(parts[0]) == "eviction" else set())
-    if method.get("value_ratio"):
+    if method.get("value_ratio") and parts[-1] not in VALUE_METHODS:  # Mustafar prunes values by its own rule
         keys |= {"value_score", "value_fill"}
     return keys.union(*(part_reads(p, method) for p in parts))
 
@@ -323,7 +362,7 @@ def ratio_needed(config: "MethodConfig") -> str | None:
     """The one rule for an unset ``ratio`` (CLI and library): a fixed-T ``+think`` / ``+spark`` method must say its
     key-channel pruning ratio λ (an explicit ``ratio=0`` means the base method); every other method prunes no key
     channel by ratio, so an unset ratio is 0. The refusal's text, or None."""
-    if config.channel_name is not None and config.variant == "fixed":
+    if config.channel_name not in (None, "leank") and config.variant == "fixed":  # LeanK: its mask's ratio
         return (f"{config.name} needs ratio= (the key-channel pruning ratio λ), e.g. ratio=0.5 or ratio=0.8 as in "
                 f"the paper (ratio=0 is the base method)")
     return None
@@ -332,7 +371,7 @@ def ratio_needed(config: "MethodConfig") -> str | None:
 def option_readers(key: str) -> str:
     """The methods that read option ``key`` (from :data:`METHOD_OPTIONS` and :func:`relevant_options`), in words."""
     if key in ("value_score", "value_fill"):
-        return "any method, with value_ratio > 0"
+        return f"any method but {', '.join(VALUE_METHODS)} (its own value rule), with value_ratio > 0"
     parts = [p for p in (*EVICTION_METHODS, *CHANNEL_METHODS)
              if key in relevant_options({"name": p, "value_ratio": 1}) or _conditions(p, key)]
     channel_only = all(p in CHANNEL_METHODS for p in parts)

@@ -14,7 +14,9 @@ from spark_bench.engine.prefill import LayerPrefill, Prefill, QueryStatsSpec
 from spark_bench import usercode
 from spark_bench.methods import registry
 from spark_bench.methods.base import ChannelMethod, EvictionMethod, gather_tokens, selection_problem
-from spark_bench.methods.builtin import CHANNEL_METHODS, DISPLAY, EVICTION_METHODS, METHOD_NAMES, METHOD_OPTIONS
+from spark_bench.methods.builtin import (
+    CHANNEL_METHODS, DISPLAY, EVICTION_METHODS, METHOD_NAMES, METHOD_OPTIONS, VALUE_METHODS,
+)
 from spark_bench.methods.channel.value_norm import ValueNorm
 from spark_bench.methods.config import (
     CHOICES, COMPRESS_SCOPES, MORE_NAMES, OPTION_TYPES, MethodConfig, _option_text, build_part, check_name, display,
@@ -45,13 +47,15 @@ class Pipeline:
     config: MethodConfig
     eviction: EvictionMethod | None
     channel: ChannelMethod | None
-    values: ValueNorm | None
+    values: ValueNorm | None  # or a channel method's own value pruning (builtin.VALUE_METHODS: Mustafar's)
     label: str = ""  # the table row (from :func:`sweep_labels` in a sweep; the config's own label alone)
 
     @classmethod
     def from_config(cls, cfg: MethodConfig, label: str | None = None) -> "Pipeline":
-        return cls(config=cfg, eviction=build_eviction(cfg), channel=build_channel(cfg),
-                   values=ValueNorm(cfg.value_ratio, cfg.value_score, cfg.value_fill) if cfg.value_ratio else None,
+        own_values = VALUE_METHODS.get(cfg.channel_name)
+        values = None if not cfg.value_ratio else own_values(cfg) if own_values else ValueNorm(
+            cfg.value_ratio, cfg.value_score, cfg.value_fill)
+        return cls(config=cfg, eviction=build_eviction(cfg), channel=build_channel(cfg), values=values,
                    label=label or cfg.label)
 
     @property

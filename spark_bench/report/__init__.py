@@ -6,6 +6,7 @@ LaTeX, optionally beside the paper's numbers; plus the Fig. 5 plots.
     spark-bench-report results/paper_shape --layout ruler --ci --claims --out out/   # intervals, Δ, claims
     spark-bench-report results/demo --layout ruler --metric kl_full --ci             # KL to the full cache per task
     spark-bench-report --paper tab_main --check                       # does the paper table resolve?
+    spark-bench-report results/paper_shape --at-bytes 0.3,0.5 --out out/   # method families at equal KV bytes
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="directory for table.md / table.csv / table.tex (and figures)")
     parser.add_argument("--name", default="table", help="file stem of the written tables")
     parser.add_argument("--figures", action="store_true", help="also write Fig. 5a/5c PNGs from the runs")
+    parser.add_argument("--at-bytes", nargs="?", const="", default=None, metavar="FRACTIONS",
+                        help="also set the method families side by side at equal KV bytes (at_bytes.md/.csv): "
+                             "score, KL full and NLL interpolated along each family's ratio or budget at these byte "
+                             "fractions (e.g. 0.3,0.5 or 30%%,50%%; default 10%%, 20%%, …, 100%%), never "
+                             "extrapolated")
     logs.add_flags(parser)
     parser.add_argument("--require-complete", action="store_true",
                         help="exit 2 when a run has not computed every prediction it set out to (else: said above "
@@ -111,6 +117,10 @@ def main(argv: list[str] | None = None) -> None:
 
             check_output(args.out, "--out")
         layout = LAYOUTS[args.layout]
+        if args.at_bytes is not None:
+            from spark_bench.report.at_bytes import parse_fractions
+
+            fractions = parse_fractions(args.at_bytes)  # a bad fraction: one line, before anything is computed
         frame = build(args.inputs, layout, args.ci, args.resamples, args.seed, args.metric)
         paper = read_paper_csv(args.paper) if args.paper else None
         if paper is not None and layout.name in ("dist", "variants"):  # ablation rows carry no base-method group
@@ -156,15 +166,30 @@ def main(argv: list[str] | None = None) -> None:
     if runs:
         from spark_bench.tables import cost_markdown
 
-        outputs["cost.md"], cost = cost_markdown(predictions)
+        from spark_bench.report.kvpress_read import is_kvpress
+
+        kvpress = [i for i, run in enumerate(runs) if is_kvpress(run)]  # kvpress records no cost: no cost rows
+        outputs["cost.md"], cost = cost_markdown(predictions[~predictions.run.isin(kvpress)])
         outputs["cost.csv"] = cost.rename_axis("config").to_csv()
         echo("What each config cost (measured):\n\n" + outputs["cost.md"])
+        from spark_bench.report.compare import position_markdown
+
+        if positions := position_markdown(predictions):  # several questions per context: by question position
+            outputs["positions.md"] = positions
+            echo(positions)
     if samples is not None and args.ci and layout.name != "longbench_e":
         from spark_bench.report.compare import paired_frame, paired_markdown
 
         paired = paired_frame(samples, layout, args.resamples, args.seed)
         outputs["paired.md"], outputs["paired.csv"] = paired_markdown(paired), paired.to_csv(index=False)
         echo("Paired with each row's base (same samples):\n\n" + outputs["paired.md"])
+    if runs and args.at_bytes is not None:
+        from spark_bench.report import at_bytes
+
+        pts = at_bytes.points(predictions, args.resamples, args.seed)
+        table_ = at_bytes.at_bytes(pts, fractions)
+        outputs["at_bytes.md"], outputs["at_bytes.csv"] = at_bytes.to_markdown(table_, pts), table_.to_csv(index=False)
+        echo("At equal KV bytes (each method family interpolated along its own curve):\n\n" + outputs["at_bytes.md"])
     if samples is not None and args.claims:
         from spark_bench.report import claims
 

@@ -4,8 +4,11 @@
   read (extra columns ``n``, ``low``, ``high``), ``Avg.`` included.
 * :func:`paired_frame`: every row against its base row — the same eviction method at the same budget for a
   ``+ThinK`` / ``+SparK`` row, the full cache (``Vanilla``) for an eviction row or a channel method on the full
-  cache — and every SparK (λ) row against ThinK (λ), as Δ (paired bootstrap interval) and wins / ties / losses over
-  the shared samples, on the score and on each fidelity number (``answer_nll``, ``kl_full``, ``agree_full``).
+  cache — every SparK (λ) row against ThinK (λ), and every row compressed without the question in view
+  (``compress_scope=context``) against itself with it (``question`` / ``prompt``), as Δ (paired bootstrap interval)
+  and wins / ties / losses over the shared samples, on the score and on each fidelity number (``answer_nll``,
+  ``kl_full``, ``agree_full``).
+* :func:`position_markdown`: with several questions per context, each config's score by the question's position.
 """
 
 from __future__ import annotations
@@ -122,20 +125,42 @@ def think_of(row: Row, present: set[Row]) -> Row | None:
     return (block, group, other) if (block, group, other) in present else None
 
 
+AGNOSTIC, AWARE = "compress_scope=context", ("compress_scope=question", "compress_scope=prompt")
+
+
+def scope_pairs(row: Row, present: set[Row]) -> list[Row]:
+    """A row compressed query-agnostic (``[compress_scope=context, …]``: the question not in view) → the same row
+    (method, block, every other option) compressed query-aware (``compress_scope=question`` or ``prompt``), where the
+    run holds it; [] for any other row (each pair is listed once, agnostic − aware)."""
+    block, group, method = row
+    if AGNOSTIC not in _tags(method):
+        return []
+    head = method[:method.rindex(" [")]
+    tags = _ordered(method)
+    others = [(block, group, f"{head} [{', '.join(aware if t == AGNOSTIC else t for t in tags)}]") for aware in AWARE]
+    return [r for r in others if r in present]
+
+
+def _ordered(label: str) -> list[str]:
+    """The ``key=value`` options of a label in the order it writes them."""
+    return [t.strip() for t in label[label.rindex(" [") + 2:-1].split(",")]
+
+
 METRICS = {"score": "Score", "answer_nll": "NLL", "kl_full": "KL full", "agree_full": "Agree"}
 
 
 def paired_frame(samples: pd.DataFrame, layout: Layout, resamples: int = stats.RESAMPLES,
                  seed: int = stats.SEED, values: tuple[str, ...] = tuple(METRICS)) -> pd.DataFrame:
-    """One line per (row, its base, metric): every row against its base row (:func:`base_of`), and every SparK (λ)
-    row against ThinK (λ) (:func:`think_of`), on each of ``values`` measured in both — Δ of the mean over tasks
-    (row − base) with its paired interval, and wins / ties / losses (for NLL and KL lower is better: a win is the
-    row's larger value, as for the score; read Δ's sign)."""
+    """One line per (row, its base, metric): every row against its base row (:func:`base_of`), every SparK (λ)
+    row against ThinK (λ) (:func:`think_of`), and every query-agnostic row against itself query-aware
+    (:func:`scope_pairs`), on each of ``values`` measured in both — Δ of the mean over tasks (row − base) with its
+    paired interval, and wins / ties / losses (for NLL and KL lower is better: a win is the row's larger value, as
+    for the score; read Δ's sign)."""
     columns, rows = columns_of(samples, layout), rows_of(samples)
     out = []
     for value in values:
         for row in rows:
-            for base in (base_of(row, set(rows)), think_of(row, set(rows))):
+            for base in (base_of(row, set(rows)), think_of(row, set(rows)), *scope_pairs(row, set(rows))):
                 if base is None:
                     continue
                 xs, ys = aligned(samples, row, base, columns, value)
@@ -196,3 +221,32 @@ def length_frame(samples: pd.DataFrame, resamples: int = stats.RESAMPLES, seed: 
             low, high = (average.low, average.high) if ci else (float("nan"), float("nan"))
             out.append((*row, bucket, average.estimate, average.n, low, high))
     return pd.DataFrame(out, columns=["block", "group", "method", "column", "value", "n", "low", "high"])
+
+
+def position_markdown(predictions: pd.DataFrame, resamples: int = stats.RESAMPLES, seed: int = stats.SEED) -> str:
+    """With several questions per context (predictions with ``question`` > 1): each config's score by the position
+    of the question among its context's questions — the mean over tasks of each task's mean at that position, with
+    its 95% bootstrap half-width and the number of answers — so a reader sees whether later questions, answered
+    from the same compressed cache, fare differently. '' when no context has a second question."""
+    if "question" not in predictions:
+        return ""
+    position = pd.to_numeric(predictions.question, errors="coerce")
+    if not (position > 1).any():
+        return ""
+    frame = predictions.assign(position=position.fillna(1).astype(int))
+    positions = sorted(frame.position.unique())
+    lines = ["| Method | " + " | ".join(f"Q{k}" for k in positions) + " |", "|---" * (len(positions) + 1) + "|"]
+    for config, mine in frame.groupby("config", sort=False):
+        cells = []
+        for k in positions:
+            at = mine[mine.position == k]
+            tasks = [g.score.to_numpy(float) for _, g in at.groupby("task", sort=False)]
+            if not tasks:
+                cells.append("–")
+                continue
+            _, mean = stats.mean_intervals(tasks, resamples, seed)
+            cells.append(f"{mean.estimate:.2f} ± {mean.half_width:.2f} (n={mean.n})")
+        lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    return ("Score by question position (several questions per context; under compress_scope=context every "
+            "question is answered from the one cache compressed for its context, which no earlier answer changes; "
+            "mean over tasks ± 95% bootstrap half-width, n answers):\n\n" + "\n".join(lines) + "\n")

@@ -2,9 +2,11 @@
 
 * (a) score vs key pruning ratio λ for SparK, ThinK and unrecovered SparK (``recovery=none``), one eviction
   method and budget;
-* (c) score vs measured KV-cache bytes for every config (eviction alone, +ThinK, +SparK);
+* (c) score vs measured KV-cache bytes, one line per method family across its ratios or budgets
+  (:func:`~spark_bench.report.at_bytes.families`: ``snapkv+spark`` at λ 0.5 / 0.8 one line, ``snapkv+think``
+  another, ``spark`` alone another), each point labelled with its ratio or budget and drawn with its 95% interval;
 * and beside them, score vs measured decode throughput (tokens/s, batched as run) for every config, and the mean
-  ``kl_full`` (how far each cache moves the model, :mod:`spark_bench.engine.fidelity`) vs KV bytes.
+  ``kl_full`` (how far each cache moves the model, :mod:`spark_bench.engine.fidelity`) vs KV bytes, drawn as (c).
 """
 
 from __future__ import annotations
@@ -39,7 +41,13 @@ def load_predictions(directories) -> pd.DataFrame:
     index of its directory); a config label two runs share is told apart by what differs
     (:func:`~spark_bench.report.frame.run_tags`), so per-config tables keep both."""
     frames = []
+    from spark_bench.report.kvpress_read import is_kvpress, read_kvpress
+
     for i, directory in enumerate(directories):
+        if is_kvpress(directory):  # a kvpress evaluation output: no timings
+            preds = read_kvpress(directory)
+            frames.append(preds.reindex(columns=[*preds.columns, *TIMING_FIELDS]).assign(run=i))
+            continue
         path = Path(directory) / "predictions.jsonl"
         preds = pd.DataFrame(parse_records(path, path.read_bytes()))
         timings = Path(directory) / "timings.jsonl"
@@ -131,9 +139,35 @@ def _scatter(preds: pd.DataFrame, path: Path, x: str, xlabel: str, title: str, y
     return save(fig, path)
 
 
+def _family_lines(preds: pd.DataFrame, path: Path, metric: str, ylabel: str, title: str) -> Path:
+    """``metric`` (mean over tasks, 95% interval as error bars) against the measured byte fraction, one line per
+    method family (:func:`~spark_bench.report.at_bytes.points`), each point labelled with its ratio or budget;
+    configs without measured bytes or without the metric are left out."""
+    from spark_bench.report.at_bytes import points
+
+    plt = pyplot()
+    pts = points(preds).dropna(subset=["fraction", metric])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for family_, curve in pts.groupby("family", sort=False):
+        curve = curve.sort_values("fraction")
+        x = 100 * curve.fraction.to_numpy(float)
+        y = curve[metric].to_numpy(float)
+        err = [y - curve[f"{metric}_low"].to_numpy(float), curve[f"{metric}_high"].to_numpy(float) - y]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=family_)
+        for xi, yi, text in zip(x, y, curve.point):
+            ax.annotate(text, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("KV cache held after compression (% of the full cache's bytes, measured)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if len(pts):
+        ax.legend(fontsize=7)
+    return save(fig, path)
+
+
 def figure_bytes(preds: pd.DataFrame, path: Path) -> Path:
-    return _scatter(preds, path, "kv_mib", "KV cache held after compression (MiB, measured)",
-                    "Score vs KV-cache bytes")
+    """Fig. 5c: the average score against the bytes held, one line per method family, points labelled, 95%
+    intervals."""
+    return _family_lines(preds, path, "score", "average score (95% interval)", "Score vs KV-cache bytes")
 
 
 def figure_throughput(preds: pd.DataFrame, path: Path) -> Path:
@@ -142,8 +176,7 @@ def figure_throughput(preds: pd.DataFrame, path: Path) -> Path:
 
 
 def figure_kl_bytes(preds: pd.DataFrame, path: Path) -> Path:
-    """How far each cache moves the model against what it holds: mean ``kl_full`` (over tasks) vs KV bytes, every
-    config a point (the full cache at KL 0)."""
-    return _scatter(preds, path, "kv_mib", "KV cache held after compression (MiB, measured)",
-                    "KL to the full cache vs KV-cache bytes", y="kl_full",
-                    ylabel="mean KL(full ‖ config), nats / token")
+    """How far each cache moves the model against what it holds: mean ``kl_full`` (over tasks, 95% interval) vs
+    the bytes held, one line per method family (the full cache at KL 0)."""
+    return _family_lines(preds, path, "kl_full", "mean KL(full ‖ config), nats / token (95% interval)",
+                         "KL to the full cache vs KV-cache bytes")

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from spark_bench.methods.pipeline import DISPLAY, tell_apart
+from spark_bench.methods.channel.leank import label_ratio
+from spark_bench.methods.pipeline import CHANNEL_METHODS, DISPLAY, display, tell_apart
 from spark_bench.report.layouts import Layout
 from spark_bench.report.paper import paper_table
 from spark_bench.results import parse_records, read_manifest
@@ -73,14 +74,17 @@ def row_names(method: dict) -> tuple[str, str, str]:
     """(block, group, row label) of a method config in the paper's style."""
     name = method["name"]
     eviction, _, channel = name.partition("+")
-    if name in ("think", "spark"):
+    if name in CHANNEL_METHODS:  # a channel method alone (every one the registry lists: think, spark, leank, …)
         eviction, channel = "", name
     block = budget_block(method["budget"]) if eviction not in ("", "full") else ""
-    group = DISPLAY.get(eviction, "Vanilla") if eviction not in ("", "full") else "Vanilla"
+    group = display(eviction) if eviction not in ("", "full") else "Vanilla"  # kvpress:<press>: its own name
     if not channel:
         return block, group, group
-    label = DISPLAY[channel]
-    if channel == "spark" and method.get("variant") == "top_p":
+    label = display(channel)
+    if channel == "leank":  # its ratio is the pruned fraction of its mask file (as its run label says)
+        vr = method.get("value_ratio") or 0
+        label += f" ({label_ratio(method.get('leank') or {})}{f'+{vr:g}' if vr else ''})"
+    elif channel == "spark" and method.get("variant") == "top_p":
         label += f"-p ({method['top_p']:g})"
     elif channel == "spark" and method.get("variant") == "group":
         label += f"-g ({method['groups']})"
@@ -181,6 +185,10 @@ def runs_config_rows(directories, loaded: list[pd.DataFrame]) -> list[list[tuple
 
 
 def _load(directory) -> pd.DataFrame:
+    from spark_bench.report.kvpress_read import is_kvpress, read_kvpress
+
+    if is_kvpress(directory):  # a kvpress evaluation output read as a run
+        return read_kvpress(directory)
     path = Path(directory) / "predictions.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{directory}: no predictions.jsonl (not a spark-bench results directory)")

@@ -87,8 +87,11 @@ def fast_path_note(directory) -> str:
 def sessions(directory) -> list[dict]:
     """The session records of a run (its manifest's ``runs``: :mod:`spark_bench.provenance`), or of its shards
     for a merged run; ``[{}]`` (unknown) for a run written before spark-bench recorded them."""
+    from spark_bench.report.kvpress_read import is_kvpress, sessions as kvpress_sessions
     from spark_bench.shards import shard_sessions
 
+    if is_kvpress(directory):  # a kvpress evaluation output: the sessions of a spark-bench export, if it is one
+        return kvpress_sessions(directory) or [{}]
     path = Path(directory) / "manifest.json"
     if path.is_file():
         records, problem = manifest_records(read_manifest(path), "runs", path)
@@ -104,8 +107,12 @@ def provenance_note(directory) -> str:
     """``<run>: made by spark-bench …; torch …; device; dtype; host, start → end`` (its sessions' distinct setups
     joined by `` | ``), or ``<run>: provenance unknown (…)`` for a run written before spark-bench recorded it."""
     from spark_bench import provenance
+    from spark_bench.report.kvpress_read import describe, is_kvpress
 
     records = sessions(directory)
+    if is_kvpress(directory):  # what kvpress' config.yaml says, and spark-bench's provenance for an export
+        known = list(dict.fromkeys(provenance.summary(r) for r in records if isinstance(r.get("spark_bench"), dict)))
+        return describe(directory) + (f"; exported from spark-bench, made by {' | '.join(known)}" if known else "")
     if not any(isinstance(r.get("spark_bench"), dict) for r in records):
         return f"{directory}: provenance unknown (written before spark-bench recorded its version and machine)"
     lines = list(dict.fromkeys(provenance.summary(r) for r in records))
@@ -117,7 +124,10 @@ def provenance_differences(directories) -> str:
     nothing."""
     from spark_bench import provenance
 
-    named = [(str(d), r) for d in directories for r in sessions(d)]
+    from spark_bench.report.kvpress_read import is_kvpress, sessions as kvpress_sessions
+
+    # a kvpress output records no software (its note says so): compared only where a spark-bench export carries it
+    named = [(str(d), r) for d in directories if not is_kvpress(d) or kvpress_sessions(d) for r in sessions(d)]
     differ = provenance.differences(named)
     return f"the runs' provenance differs: {'; '.join(differ)}" if differ else ""
 
@@ -131,7 +141,12 @@ def paper_setup(name: str) -> tuple[Setup | None, int | None]:
 
 
 def run_setup(directory) -> dict | None:
-    """What a run ran (its manifest's payload): model, benchmark, context length, budgets and protocol."""
+    """What a run ran (its manifest's payload): model, benchmark, context length, budgets and protocol (a kvpress
+    evaluation output: what its ``config.yaml`` says, protocol ``kvpress``)."""
+    from spark_bench.report.kvpress_read import is_kvpress, run_setup as kvpress_setup
+
+    if is_kvpress(directory):
+        return kvpress_setup(directory)
     path = Path(directory) / "manifest.json"
     if not path.exists():
         return None

@@ -22,6 +22,8 @@ import warnings
 import torch
 
 from spark_bench.storage.segments import FusedTables, SegmentStack, ValueStack, store_blocker
+from spark_bench.storage.stores import DenseStore, dense_logits
+from spark_bench.storage.windowed import WindowedStore
 
 _seen_fallbacks: set[str] = set()
 ONE_STORE_ON_CUDA = "scores of one store on CUDA (the fused kernel serves decode batches)"
@@ -73,7 +75,10 @@ def fallback_reasons() -> set[str]:
 def kernel_blocker(store, device: torch.device) -> str | None:
     """Why the C++ kernel cannot serve this one store's logits on ``device`` (None: it can): the store's layout and
     recovery (:func:`~.segments.store_blocker`), then the device. On CUDA the fused kernel serves whole decode
-    batches (:func:`fused_attention`), not one store's scores."""
+    batches (:func:`fused_attention`), not one store's scores. A :class:`~.windowed.WindowedStore` (Mustafar's
+    dense window) is served where its compact part is (:func:`compact_logits`)."""
+    if isinstance(store, WindowedStore):
+        return kernel_blocker(store.old, device)
     reason = store_blocker(store)
     if reason is not None:
         return reason
@@ -91,7 +96,10 @@ def reference_logits(store, queries: torch.Tensor) -> torch.Tensor:
 def compact_logits(store, queries: torch.Tensor) -> torch.Tensor:
     """``queries (B, H, G, D)`` · keys of one compact ``store`` → ``(B, H, G, S)`` float32: the C++ kernel over a
     one-store segment table where it serves the store (kept on the store: no copy of its data), else the rebuilt
-    keys (:func:`reference_logits`, float32), with one warning per reason where a kernel was expected."""
+    keys (:func:`reference_logits`, float32), with one warning per reason where a kernel was expected. A
+    :class:`~.windowed.WindowedStore`: its compact part so, then its dense recent tokens (float32)."""
+    if isinstance(store, WindowedStore):
+        return torch.cat([compact_logits(store.old, queries), dense_logits(queries.float(), store.recent)], dim=-1)
     reason = kernel_blocker(store, queries.device)
     if reason is None:
         stack = store.__dict__.get("_segment_stack")
@@ -102,6 +110,25 @@ def compact_logits(store, queries: torch.Tensor) -> torch.Tensor:
     if reason != ONE_STORE_ON_CUDA:
         fallback(reason)
     return reference_logits(store, queries)
+
+
+def value_blocker(store, backend: str, warn: bool = False) -> str | None:
+    """Which path a row's *value* store takes, said once and explicitly (None: the stacked kernels, which read dense
+    value tensors: the C++ ``pv_segments`` on the CPU, the fused kernel's value loop on CUDA). A value-sparse store
+    (``value_ratio > 0``: SparK's Appendix D values, Mustafar's values; kept entries + a D-bit mask, pruned = 0,
+    alone or in a :class:`~.windowed.WindowedStore`) has no stacked kernel yet: the row decodes on the per-row path,
+    its values rebuilt per step from the compact store (the stored bytes are the compact ones). ``backend``: the
+    layer's :func:`compact_backend`. ``warn``: say it once per reason (:func:`fallback`), as a decode batch does."""
+    if isinstance(store, DenseStore):
+        return None
+    if backend == "triton":
+        reason = ("value channels are pruned: the fused CUDA kernel has no value-sparse member kind yet "
+                  "(spark_bench/storage/sparse_values.py describes it); per-row path, values rebuilt per step")
+    else:
+        reason = "value channels are pruned: per-row path, values rebuilt per step from the compact store"
+    if warn:
+        fallback(reason)
+    return reason
 
 
 def stack_logits(stack: SegmentStack, queries: torch.Tensor, tail: torch.Tensor | None = None, tail_len: int = 0,

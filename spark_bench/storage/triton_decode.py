@@ -53,7 +53,7 @@ import triton.language as tl
 
 from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, SEG_COLS, WORK_COLS
 from spark_bench.storage.triton_compact import _member_scores
-from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _split3
+from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _prefetch, _split3
 from spark_bench.storage.triton_merge import _merge_kernel
 from spark_bench.storage.triton_walk import _walk_scores, _walk_tables
 from spark_bench.storage.walk_layout import head_floats
@@ -70,11 +70,19 @@ TRITON = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", triton.__version__).gro
 # at D ≤ 128, 2 CTAs per SM, no spill; BLOCK 64 at 4 warps spills, at 8 warps issues ~7% more per byte); float32 (FMA
 # dots) 8 warps at BLOCK 16 (≤ 254 registers, no spill). A Triton before 3.9 allocates more registers to the bfloat16
 # kernel and spills at 4 warps (every member kind: 100 bytes on sm_90 under 3.2, 16 on sm_80 under 3.8; a suffix 500
-# under 3.2), none at 8 (docs/development.md#tested-versions): there it launches 8
-PARTIAL_WARPS = {2: 4 if TRITON >= (3, 9) else 8, 4: 8}
+# under 3.2), none at 8 (docs/development.md#tested-versions). Measured on an H200 under 3.6 (results/bench/gpu/): 4
+# warps, spilling, run the partials kernel 1.4–1.9× faster than 8 (dense 27 rows × 7,950 tokens 449 vs 848 µs, the
+# SparK(0.8) 127.5K row 147 vs 206 µs): 4 from 3.6 on; 8 before it (3.2 spills the most; not measured on a GPU)
+PARTIAL_WARPS = {2: 4 if TRITON >= (3, 6) else 8, 4: 8}
 # what differs from the tuned kernels under this Triton (scripts/gpu/check.py names it; nothing is disabled)
-TRITON_NOTES = [] if TRITON >= (3, 9) else [
-    "the bfloat16 partials kernel launches 8 warps, not 4 (at 4 this Triton's register allocation spills)"]
+TRITON_NOTES = ([] if TRITON >= (3, 9) else [
+    "the bfloat16 partials kernel spills a few bytes at its 4 warps (measured faster than 8 under 3.6)"]
+    if TRITON >= (3, 6) else [
+    "the bfloat16 partials kernel launches 8 warps, not 4 (at 4 this Triton's register allocation spills)",
+    "no L2 prefetch of the next block (at 8 warps this Triton spills its registers)"])
+# the next block's values and keys asked of L2 while a block computes (``AHEAD``, triton_math._prefetch): from 3.6
+# on; before it the kernel runs at 8 warps, where Triton 3.2 spills the prefetches' registers (4–16 bytes)
+PREFETCH = TRITON >= (3, 6)
 NUM_WARPS = 8   # the merge of a suffix (16 query rows and more)
 NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does not act on it
 # ptxas given no register limit caps these kernels at 64/80/128 registers (3-4 or 2 CTAs per SM of 256 threads) and
@@ -104,12 +112,12 @@ def _into(s, sm, member, m, live, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2, qg3, member, heads,
+def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2, qg3, member, heads,
           head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr,
           ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROWS_: tl.constexpr,
           BLOCK_: tl.constexpr, VALIGN: tl.constexpr, TK: tl.constexpr, PAIRS: tl.constexpr, MASKED: tl.constexpr,
-          KINDS: tl.constexpr, RPM: tl.constexpr, WALK: tl.constexpr):
-    """One block of ``BLOCK_`` tokens from ``t0``: the values, every member's logits (one loop per kind, in the
+          KINDS: tl.constexpr, RPM: tl.constexpr, WALK: tl.constexpr, AHEAD: tl.constexpr):
+    """One block of ``BLOCK_`` tokens from ``t0``: its values ``v`` (loaded by the caller, a block ahead), every member's logits (one loop per kind, in the
     order :class:`~spark_bench.storage.segments.FusedTables` sorts them; a kind's loop only where ``KINDS`` has its
     bit), the online softmax. Without ``MASKED`` (a whole block) nothing is masked and the values and dense keys are
     addressed from the block's first row by 32-bit offsets. ``q1 … q3``, ``qa1 … qa3``, ``qg1 … qg3``: the
@@ -120,15 +128,9 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, q1, q2, q3, qa1, qa2, q
     inside = (tt[:, None] * D + c[None, :])  # (32-bit) offsets of a block's rows of D channels
     if MASKED:
         live = t < t_end
-        both = live[:, None] & (c < D)[None, :]
-        v = tl.load(values + t0 * D + inside, mask=both, other=0.0)  # (bf16: the tensor cores')
     else:
         live = tt < BLOCK_
-        both = live[:, None] & (c < D)[None, :]
-        if D == D_PAD:
-            v = tl.load(values + t0 * D + inside)
-        else:
-            v = tl.load(values + t0 * D + inside, mask=both, other=0.0)
+    both = live[:, None] & (c < D)[None, :]
     s = tl.full((ROWS_, BLOCK_), float("-inf"), tl.float32)
     if KINDS & 1:
         for m in range(0, n_dense):  # dense keys: rows of D channels, like the values
@@ -141,6 +143,9 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, q1, q2, q3, qa1, qa2, q
                 k = tl.load(rows + inside, mask=both, other=0.0)
             else:
                 k = tl.load(rows + inside)
+            if AHEAD and not MASKED:  # the next block's keys requested from L2 while this one computes
+                _prefetch(rows + BLOCK_ * D, tl.minimum(t_end - t0 - BLOCK_, BLOCK_) * D * ESIZE,
+                          BLOCK_ * D_PAD * ESIZE // 64)
             s = _into(s, _rows_dot(q1, q2, q3, k, ELEM), member, m, live, MASKED)
     if TK > 0:
         # structured keys (ThinK): each token's TK-wide row of the segment's kept channels, against the queries
@@ -163,6 +168,9 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, q1, q2, q3, qa1, qa2, q
                 k = tl.load(rows + at, mask=live[:, None] & (j < t_kept)[None, :], other=0.0)
             else:
                 k = tl.load(rows + at, mask=(j < t_kept)[None, :], other=0.0)
+            if AHEAD and not MASKED:
+                _prefetch(rows + BLOCK_ * t_kept, tl.minimum(t_end - t0 - BLOCK_, BLOCK_) * t_kept * ESIZE,
+                          BLOCK_ * TK * ESIZE // 64)
             s = _into(s, _rows_dot(qg1, qg2, qg3, k, ELEM), member, m, live, MASKED)
     if KINDS & 4:
         for m in range(n_struct, n_bare):  # compact keys (or AdaKV validity), pruned entries 0
@@ -176,7 +184,7 @@ def _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, q1, q2, q3, qa1, qa2, q
         for m in range(n_plain, count):  # compact keys with signs (official recovery)
             if WALK:  # (a decode step: each token's kept entries walked where they are stored)
                 s = _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, t_end, D, D_PAD,
-                                 BLOCK_, RPM, ROWS_, ELEM)
+                                 BLOCK_, RPM, ROWS_, ELEM, ESIZE, AHEAD and not MASKED)
             else:
                 s = _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t,
                                    live, c, ELEM, ESIZE, D, D_PAD, BLOCK_, True)
@@ -189,14 +197,15 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
                      walk_ptr, tab_ptr, n_rows, q_stride, scale, n_work, advance, D: tl.constexpr, D_PAD: tl.constexpr,
                      RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr,
                      VALIGN: tl.constexpr = False, TK: tl.constexpr = 0, PAIRS: tl.constexpr = False,
-                     KINDS: tl.constexpr = ALL_KINDS, WALK: tl.constexpr = False):
+                     KINDS: tl.constexpr = ALL_KINDS, WALK: tl.constexpr = False, AHEAD: tl.constexpr = False):
     """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor.
     ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads); ``PAIRS``: every
     structured segment keeps an even number of channels from a 4-byte aligned start (its entries read in pairs);
     ``KINDS``: the member kinds the tables' work items hold (bit k: :data:`~spark_bench.storage.segments.KINDS`
     ``[k]``, the structured one also ``TK > 0``), the others' loops not compiled in (a launch without compact keys:
     ~190 registers, ~70 fewer instructions per block); ``WALK``: the signed members are walked (:mod:`.triton_walk`;
-    a decode step, ``n_rows ≤ RPM``), their per-step tables written at ``walk_ptr``, the constant table at ``tab_ptr``.
+    a decode step, ``n_rows ≤ RPM``), their per-step tables written at ``walk_ptr``, the constant table at ``tab_ptr``;
+    ``AHEAD``: each whole block asks L2 for the next block's values and keys (:data:`PREFETCH`).
     Program (0, 0) also advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
     w = tl.program_id(0).to(tl.int64)
     gb = tl.program_id(1).to(tl.int64)
@@ -267,16 +276,29 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     # whole blocks first, with no token masks and block-relative (32-bit) offsets; then the chunk's last, partial
     # block, if any, masked
     full_end = t_start + (t_end - t_start) // BLOCK_ * BLOCK_
+    # the next block's values are asked of L2 (``_prefetch``) as soon as this block's are issued, so a block waits for
+    # its values at L2's latency, not the DRAM's (carried in registers instead, a block ahead, they leave the kernel
+    # with every member kind too few registers: it spills)
+    tt = tl.arange(0, BLOCK_)
+    inside = tt[:, None] * D + c[None, :]  # (32-bit offsets of a block's rows of D channels)
     for t0 in range(t_start, full_end, BLOCK_):
-        m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
+        if D == D_PAD:
+            v = tl.load(values + t0 * D + inside)
+        else:
+            v = tl.load(values + t0 * D + inside, mask=cm[None, :], other=0.0)
+        if AHEAD:
+            _prefetch(values + (t0 + BLOCK_) * D, tl.minimum(t_end - t0 - BLOCK_, BLOCK_) * D * ESIZE,
+                      BLOCK_ * D_PAD * ESIZE // 64)
+        m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
                               qg3, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct,
                               n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
-                              VALIGN, TK, PAIRS, False, KINDS, RPM, WALK)
+                              VALIGN, TK, PAIRS, False, KINDS, RPM, WALK, AHEAD)
     for t0 in range(full_end, t_end, BLOCK_):
-        m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, values, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
+        v = tl.load(values + t0 * D + inside, mask=(tt < t_end - t0)[:, None] & cm[None, :], other=0.0)
+        m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
                               qg3, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct,
                               n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
-                              VALIGN, TK, PAIRS, True, KINDS, RPM, WALK)
+                              VALIGN, TK, PAIRS, True, KINDS, RPM, WALK, AHEAD)
     slot = tl.load(head_ptr + qh_r * HEAD + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
@@ -315,7 +337,7 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
                 dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK[elem.element_size()],
                      ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
                      TK=getattr(tables, "width", 0), PAIRS=bool(getattr(tables, "pairs", False)),
-                     KINDS=getattr(tables, "kinds", ALL_KINDS), WALK=walk,
+                     KINDS=getattr(tables, "kinds", ALL_KINDS), WALK=walk, AHEAD=PREFETCH,
                      num_warps=PARTIAL_WARPS[elem.element_size()], num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
     # a decode step's few rows: no padding to 16, except for bfloat16 tails (tensor-core dots need 16 rows)
     rm = ROWS if tail_keys.dtype == torch.bfloat16 else min(triton.next_power_of_2(n), ROWS)

@@ -168,6 +168,22 @@ def _split_dot(a, b, acc):
 
 
 @triton.jit
+def _prefetch(ptr, nbytes, LINES: tl.constexpr):
+    """Ask L2 for the ``nbytes`` (< (``LINES`` − 1) × 128) from ``ptr`` (any element type), one 128-byte line per
+    ``prefetch.global.L2`` from the line holding the first byte (nothing returned, nothing waited for: a later load
+    of those lines finds them in L2 — the next block's bytes requested while this block computes). The addresses come
+    from ``ptr`` alone (the byte count only masks), as the later loads' do. Nothing under the CPU interpreter."""
+    if not INTERPRET:
+        base = ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+        first = base.to(tl.int64, bitcast=True) & 127  # (lines from the one holding the first byte)
+        line = tl.arange(0, LINES)
+        at = base + (line * 128 - first)
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [at, (line * 128 < first + nbytes).to(tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _exp2(x):
     """``2ˣ`` by the GPU's ``ex2.approx.ftz`` (what ``tl.exp`` issues, less the subnormal fix-up around it: a
     weight below 2⁻¹²⁶ flushes to 0); ``tl.exp2`` under the CPU interpreter."""

@@ -31,11 +31,11 @@ import triton
 import triton.language as tl
 
 from spark_bench.storage.segments import HEAD_COLS, SEG_COLS
-from spark_bench.storage.triton_math import _ffs, _popc, _sqrt_rn
+from spark_bench.storage.triton_math import _ffs, _popc, _prefetch, _sqrt_rn
 
 SEG: tl.constexpr = tl.constexpr(SEG_COLS)  # (the tables' row widths)
 HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)
-SLOTS: tl.constexpr = tl.constexpr(4)    # kept ranks a lane visits per trip of its loop
+SLOTS: tl.constexpr = tl.constexpr(4)    # kept ranks a lane visits per trip of its loop (_slots, _kept4: four)
 NEXT: tl.constexpr = tl.constexpr(2048)    # offsets in the constant table (walk_layout.walk_table): (byte, j) → bit
 EXPAND: tl.constexpr = tl.constexpr(2112)  # of its j-th set bit at 0, (nonzero words, k) → 8 × the next nonzero
 #                                            word, (pruned nibble, signs) → the positive channels' nibble
@@ -77,6 +77,40 @@ def _walk_tables(walk_ptr, q, qa, qh_r, own, r, c, D: tl.constexpr, D_PAD: tl.co
 
 
 @triton.jit
+def _kept4(kept, i, lim):
+    """A lane's kept entries ``i … i + 3`` (those before ``lim``; 0 past them: nothing read)."""
+    return (tl.load(kept + i, mask=i < lim, other=0.0), tl.load(kept + i + 1, mask=i + 1 < lim, other=0.0),
+            tl.load(kept + i + 2, mask=i + 2 < lim, other=0.0), tl.load(kept + i + 3, mask=i + 3 < lim, other=0.0))
+
+
+@triton.jit
+def _slots(k0, k1, k2, k3, i0, lim, rem, s8, nxt, x1, x2, x3, acc, kqa, q_b, r, D: tl.constexpr, RPM: tl.constexpr):
+    """One trip: a lane's kept ranks ``i0 … i0 + 3`` (those before ``lim``; the others read the per-step tables' zero
+    row), entries ``k0 … k3``: each kept channel's ``q`` times its entry into ``acc``, its ``q ∘ a`` into ``kqa``;
+    the walk (``rem``, ``s8``) moved on to the next kept channel at each."""
+    for u in tl.static_range(SLOTS):
+        ok = i0 + u < lim
+        idx = tl.where(ok, s8 * 4 + _ffs(rem).to(tl.uint32) - 1, D)  # (a padding slot: the zero row)
+        if u == 0:  # (u is a constant: one entry's register, no select)
+            k = k0.to(tl.float32)
+        elif u == 1:
+            k = k1.to(tl.float32)
+        elif u == 2:
+            k = k2.to(tl.float32)
+        else:
+            k = k3.to(tl.float32)
+        rem = rem & (rem - 1)  # the next kept channel: this word's next, or the next nonzero word's first
+        n8 = (nxt >> s8) & 0xFF
+        empty = rem == 0
+        rem = tl.where(empty, tl.where(n8 == 8, x1, tl.where(n8 == 16, x2, x3)), rem)
+        s8 = tl.where(empty, n8, s8)
+        at = q_b + (idx * (2 * RPM))[:, :, :, None] + r
+        acc += k[:, :, :, None] * tl.load(at)
+        kqa += tl.load(at + RPM)
+    return rem, s8, acc, kqa
+
+
+@triton.jit
 def _walk_start(x0, x1, x2, x3, c1, c2, c3, p0, tab):
     """Where a lane's walk starts: kept rank ``p0`` (uint32) of a token's mask words ``x0 … x3`` (``c1, c2, c3``:
     the kept channels before words 1, 2, 3) — its word by those counts, its byte by SWAR prefix sums of the byte
@@ -101,9 +135,10 @@ def _walk_start(x0, x1, x2, x3, c1, c2, c3, p0, tab):
 @triton.jit
 def _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, t_end, D: tl.constexpr,
                  D_PAD: tl.constexpr, BLOCK_: tl.constexpr, RPM: tl.constexpr, ROWS_: tl.constexpr,
-                 ELEM: tl.constexpr):
+                 ELEM: tl.constexpr, ESIZE: tl.constexpr = 2, AHEAD: tl.constexpr = False):
     """Member ``m``'s logits over the ``BLOCK_`` tokens from ``t0`` (those before ``t_end``; AdaKV validity applied)
-    into its rows of ``s``."""
+    into its rows of ``s``. ``AHEAD``: the next block's mask words, μ, sign bits and kept entries are requested from
+    L2 (:func:`~.triton_math._prefetch`) once this block's loads are issued."""
     HS: tl.constexpr = (D + 1) * 2 * RPM + D_PAD // 4 * 16 * RPM + RPM
     NW: tl.constexpr = D // 32
     qh = tl.load(heads + m)
@@ -131,42 +166,58 @@ def _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, 
         x2 = tl.load(words + 2, mask=live, other=0)
     if NW > 3:
         x3 = tl.load(words + 3, mask=live, other=0)
+    # the member block's loads are issued here, before any is used (one round trip, none dependent; the kept entries,
+    # whose address needs no loaded data, in the slot loop below):
+    # the mask words above; μ; the token's sign bits (pruned order), the words that hold them whatever its mask —
+    # their address is the token's, each lane's window chosen from them below
+    mu = tl.load(tl.load(row + 5).to(tl.pointer_type(ELEM), bitcast=True) + local, mask=live, other=0.0)
+    bits = tl.load(row + 7) + (sign_addr & 3) * 8  # (from the 4-byte aligned word below the array's start)
+    first = bits + local.to(tl.int64) * (D - t_kept)  # the token's first sign bit
+    signs = (sign_addr - (sign_addr & 3)).to(tl.pointer_type(tl.uint32), bitcast=True) + (first >> 5)
+    span = (first & 31).to(tl.int32) + (D - t_kept)  # bits from the first word's start to the token's last sign
+    in_w = live & (W < NW)
+    w0 = tl.load(signs, mask=in_w & (span > 0), other=0)
+    w1 = tl.load(signs + 1, mask=in_w & (span > 32), other=0)
+    w2 = tl.load(signs + 2, mask=in_w & (span > 64), other=0)
+    w3 = tl.load(signs + 3, mask=in_w & (span > 96), other=0)
+    w4 = tl.load(signs + 4, mask=in_w & (span > 128), other=0)
+    spt = (t_kept + 3) // 4  # kept ranks per lane
+    lim = tl.where(live, tl.minimum(spt, t_kept - W * spt), 0)  # the lane's kept ranks (its slots past them: none)
+    kept = tl.load(row + 2).to(tl.pointer_type(ELEM), bitcast=True) + local * t_kept + W * spt
+    if AHEAD:  # the next block's bytes of each array, from its first token's (none past the chunk's end)
+        n1 = tl.minimum(t_end - t0 - BLOCK_, BLOCK_).to(tl.int32)
+        l1 = (t0 + BLOCK_ - tl.load(row)).to(tl.int32)
+        stride = tl.load(row + 4).to(tl.int32) * NW
+        # (lines: powers of two, each at least the array's lines in a block plus one, its start unaligned)
+        _prefetch(tl.load(row + 3).to(tl.pointer_type(tl.uint32), bitcast=True) + l1 * stride, n1 * stride * 4,
+                  BLOCK_ * D_PAD // 32 * 4 // 64)
+        _prefetch(tl.load(row + 5).to(tl.pointer_type(ELEM), bitcast=True) + l1, n1 * ESIZE, 2)
+        f1 = bits + l1.to(tl.int64) * (D - t_kept)
+        _prefetch((sign_addr - (sign_addr & 3)).to(tl.pointer_type(tl.int8), bitcast=True) + (f1 >> 3),
+                  (n1 * (D - t_kept) + 15) // 8, BLOCK_ * D_PAD // 8 // 64)
+        _prefetch(tl.load(row + 2).to(tl.pointer_type(ELEM), bitcast=True) + l1 * t_kept, n1 * t_kept * ESIZE,
+                  BLOCK_ * D_PAD * ESIZE // 64)
     c1 = _popc(x0).to(tl.uint32)  # kept channels before words 1, 2, 3
     c2 = c1 + _popc(x1).to(tl.uint32)
     c3 = c2 + _popc(x2).to(tl.uint32)
-    spt = (t_kept + 3) // 4  # kept ranks per lane
     rem, s8, nxt = _walk_start(x0, x1, x2, x3, c1, c2, c3, (W * spt).to(tl.uint32), tab)  # (rank W·spt on)
-    kept = tl.load(row + 2).to(tl.pointer_type(ELEM), bitcast=True) + local * t_kept
     acc = tl.zeros((BLOCK_ // 8, 4, 8, RPM), tl.float32)
     kqa = tl.zeros((BLOCK_ // 8, 4, 8, RPM), tl.float32)
-    lim = tl.where(live, tl.minimum(spt, t_kept - W * spt), 0)  # the lane's kept ranks (its slots past them: none)
-    for j in range(0, (spt + SLOTS - 1) // SLOTS):  # SLOTS kept ranks a trip (the last trip's extra ones masked)
-        for u in tl.static_range(SLOTS):
-            i = j * SLOTS + u
-            p = W * spt + i
-            ok = i < lim
-            idx = tl.where(ok, s8 * 4 + _ffs(rem).to(tl.uint32) - 1, D)  # (a padding slot: the zero row)
-            k = tl.load(kept + p, mask=ok, other=0.0).to(tl.float32)
-            rem = rem & (rem - 1)  # the next kept channel: this word's next, or the next nonzero word's first
-            n8 = (nxt >> s8) & 0xFF
-            empty = rem == 0
-            rem = tl.where(empty, tl.where(n8 == 8, x1, tl.where(n8 == 16, x2, x3)), rem)
-            s8 = tl.where(empty, n8, s8)
-            at = q_b + (idx * (2 * RPM))[:, :, :, None] + r
-            acc += k[:, :, :, None] * tl.load(at)
-            kqa += tl.load(at + RPM)
-    # mask word W's pruned channels: their signs from bit `start` of the sign bits (pruned order)
+    # the lane's kept entries, SLOTS a trip, loaded in the trip (asked of L2 the block before: see AHEAD)
+    for j in range(0, (spt + SLOTS - 1) // SLOTS):
+        k0, k1, k2, k3 = _kept4(kept, j * SLOTS, lim)
+        rem, s8, acc, kqa = _slots(k0, k1, k2, k3, j * SLOTS, lim, rem, s8, nxt, x1, x2, x3, acc, kqa, q_b, r, D,
+                                   RPM)
+    # mask word W's pruned channels: their signs from bit `start` of the token's (pruned order), chosen from the
+    # words loaded above
     notm = tl.where(W < NW, ~tl.where(W == 0, x0, tl.where(W == 1, x1, tl.where(W == 2, x2, x3))), 0)
-    before = tl.where(W == 0, 0, tl.where(W == 1, c1, tl.where(W == 2, c2, c3))).to(tl.int64)
-    n = _popc(notm)  # (its pruned channels)
-    bits = tl.load(row + 7) + (sign_addr & 3) * 8  # (from the 4-byte aligned word below the array's start)
-    start = bits + local.to(tl.int64) * (D - t_kept) + 32 * W - before
-    signs = (sign_addr - (sign_addr & 3)).to(tl.pointer_type(tl.uint32), bitcast=True) + (start >> 5)
-    shift = start & 31
-    mine = live & (W < NW) & (n > 0)
-    lo = tl.load(signs, mask=mine, other=0)
-    hi = tl.load(signs + 1, mask=mine & (shift + n > 32), other=0)
-    window = ((lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)) >> shift.to(tl.uint64)).to(tl.uint32)
+    before = tl.where(W == 0, 0, tl.where(W == 1, c1, tl.where(W == 2, c2, c3))).to(tl.int32)
+    start = (first & 31).to(tl.int32) + 32 * W - before  # (0 ≤ start < 128: the word it falls in, 0 … 3)
+    kw = start >> 5
+    lo = tl.where(kw == 0, w0, tl.where(kw == 1, w1, tl.where(kw == 2, w2, w3)))
+    hi = tl.where(kw == 0, w1, tl.where(kw == 1, w2, tl.where(kw == 2, w3, w4)))
+    shift = (start & 31).to(tl.uint64)
+    window = ((lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)) >> shift).to(tl.uint32)
     rec = tl.zeros((BLOCK_ // 8, 4, 8, RPM), tl.float32)
     lut_w = lut_b + tl.where(W < NW, W, 0) * (8 * 16 * RPM)  # (word W's nibbles: groups 8W …; past D: none)
     expand = tab + EXPAND
@@ -175,7 +226,6 @@ def _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, 
         ex = tl.load(expand + (pm * 16 + (window & 0xF))).to(tl.int32)
         rec += tl.load((lut_w + ex * RPM)[:, :, :, None] + (g * 16 * RPM + r))  # (no pruned channel: entry 0, 0)
         window = window >> _popc(pm).to(tl.uint32)
-    mu = tl.load(tl.load(row + 5).to(tl.pointer_type(ELEM), bitcast=True) + local, mask=live, other=0.0)
     smu = _sqrt_rn(tl.maximum(mu.to(tl.float32), 0.0))
     qat = tl.load(q_b + (D + 1) * 2 * RPM + D_PAD // 4 * 16 * RPM + r)  # Σ_c qa, taken once (by lane 0)
     acc += smu[:, :, :, None] * (kqa + 2.0 * rec - tl.where(W[:, :, :, None] == 0, qat, 0.0))

@@ -29,12 +29,17 @@ def check_qa_sources(tasks, squad_file: str | None, hotpotqa_file: str | None) -
 
 def load_ruler(tasks, length: int, num_samples: int, seed: int, lm: LoadedModel,
                max_new_tokens: int | None = None, essay_file: str | None = None, squad_file: str | None = None,
-               hotpotqa_file: str | None = None, system_prompt: bool = True) -> list[Sample]:
+               hotpotqa_file: str | None = None, system_prompt: bool = True, questions: int = 1) -> list[Sample]:
     """RULER samples; ``system_prompt=False`` wraps them in the chat template without its default system prompt
-    (RULER's own model templates have none; the official SparK code keeps the tokenizer's default)."""
+    (RULER's own model templates have none; the official SparK code keeps the tokenizer's default).
+    ``questions`` (``ruler.questions``): the needle tasks ask that many questions of each haystack, one sample each
+    (:func:`~spark_bench.benchmarks.ruler.niah.generate_niah`)."""
     unknown = [t for t in tasks if t not in RULER_TASKS]
     if unknown:
         raise ValueError(f"unknown RULER task(s) {unknown}; valid: {', '.join(RULER_TASKS)}")
+    if questions > 1 and any(t not in NIAH_TASKS for t in tasks):
+        raise ValueError(f"ruler.questions={questions}: only the needle tasks (niah_*) ask several questions of one "
+                         f"haystack; not {', '.join(t for t in tasks if t not in NIAH_TASKS)}")
     if length > lm.config.max_length:
         raise ValueError(f"benchmark.length={length} exceeds model {lm.config.name} max_length={lm.config.max_length}")
     common = dict(tokenizer=lm.tokenizer, length=length, num_samples=num_samples, seed=seed,
@@ -44,7 +49,7 @@ def load_ruler(tasks, length: int, num_samples: int, seed: int, lm: LoadedModel,
     samples: list[Sample] = []
     for task in tasks:
         if task in NIAH_TASKS:
-            samples += generate_niah(task, essay_file=essay_file, **common)
+            samples += generate_niah(task, essay_file=essay_file, questions=questions, **common)
         elif task in QA_TASKS:
             dataset = QA_TASKS[task]
             source = load_qa(dataset, qa_files[dataset])

@@ -73,11 +73,12 @@ def _random_item(kind: str, rng: random.Random) -> str:
     raise ValueError(f"unknown needle type {kind!r}")
 
 
-def _texts(task: NiahTask, num_haystack: int, rng: random.Random,
-           essay_file: str | None = None) -> tuple[str, int, str, list[str]]:
-    """(user text, where its question starts, answer prefix, answers) for one sample with ``num_haystack``
-    haystack units."""
-    num_keys = max(task.num_keys, task.num_queries)
+def _texts(task: NiahTask, num_haystack: int, rng: random.Random, essay_file: str | None = None,
+           questions: int = 1) -> list[tuple[str, int, str, list[str]]]:
+    """(user text, where its question starts, answer prefix, answers) of each of ``questions`` questions asked of
+    one haystack of ``num_haystack`` units: each question asks for ``num_queries`` keys none of the others asks for
+    (the haystack holds needles for at least that many keys; one question draws exactly as RULER does)."""
+    num_keys = max(task.num_keys, task.num_queries * questions)
     keys, values, needles = [], [], []
     for _ in range(num_keys):
         keys.append(_random_item(task.key_type, rng))
@@ -107,18 +108,21 @@ def _texts(task: NiahTask, num_haystack: int, rng: random.Random,
             sentences.insert(index, needle)
         context = "\n".join(sentences)
 
-    chosen = rng.sample(range(num_keys), task.num_queries)
-    queries = [keys[i] for i in chosen]
-    answers = [v for i in chosen for v in values[i]]
-    query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
-
+    drawn = rng.sample(range(num_keys), task.num_queries * questions)
     template, prefix, type_v = TEMPLATE, ANSWER_PREFIX, task.value_type
     if task.num_queries * task.num_values == 1:  # RULER's singular rewrite
         for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
             template, prefix = template.replace(old, new), prefix.replace(old, new)
         type_v = type_v[:-1]
-    text = template.format(type_needle_v=type_v, context=context, query=query)
-    return text, question_start(text, context), prefix.format(type_needle_v=type_v, query=query), answers
+    out = []
+    for k in range(questions):
+        chosen = drawn[k * task.num_queries:(k + 1) * task.num_queries]
+        queries = [keys[i] for i in chosen]
+        answers = [v for i in chosen for v in values[i]]
+        query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
+        text = template.format(type_needle_v=type_v, context=context, query=query)
+        out.append((text, question_start(text, context), prefix.format(type_needle_v=type_v, query=query), answers))
+    return out
 
 
 def _increment(task: NiahTask, length: int) -> int:
@@ -129,15 +133,20 @@ def _increment(task: NiahTask, length: int) -> int:
 
 def generate_niah(name: str, tokenizer: PreTrainedTokenizerBase, length: int, num_samples: int, seed: int,
                   chat_template: bool | str = True, max_new_tokens: int | None = None,
-                 essay_file: str | None = None) -> list[Sample]:
-    """``num_samples`` samples of task ``name`` whose prompt + generation budget fits in ``length`` tokens."""
+                  essay_file: str | None = None, questions: int = 1) -> list[Sample]:
+    """``num_samples`` samples of task ``name`` whose prompt + generation budget fits in ``length`` tokens.
+    ``questions`` > 1: that many questions of each haystack (different needles), one sample per question, ids
+    ``<task>-<index>/q<k>``, each prompt the same context ids followed by its own question
+    (``meta.context``, ``meta.question``); every question's prompt fits the length."""
     task = NIAH_TASKS[name]
     step = _increment(task, length)
     budget = length - TOKENS_TO_GENERATE
 
     def encode(num_haystack: int, rng: random.Random):
-        text, question, prefix, answers = _texts(task, num_haystack, rng, essay_file)
-        return encode_prompt(tokenizer, text, prefix, chat_template, question), answers
+        """The longest question's prompt (the one the length must fit) and every question's (prompt, answers)."""
+        asked = [(encode_prompt(tokenizer, text, prefix, chat_template, question), answers)
+                 for text, question, prefix, answers in _texts(task, num_haystack, rng, essay_file, questions)]
+        return max((p for p, _ in asked), key=len), asked
 
     def fits(count: int) -> bool:
         return len(encode(count, random.Random(f"{seed}-{name}-probe"))[0]) <= budget
@@ -145,17 +154,28 @@ def generate_niah(name: str, tokenizer: PreTrainedTokenizerBase, length: int, nu
     # RULER's search: the largest raw haystack size whose probe prompt fits; samples that come out longer
     # (their needles differ) shrink by one increment at a time
     limit = 1 << 24  # words (essay, repeated as needed) or sentences: the prompt budget stops the search first
-    found = largest_fitting(fits, limit)
-    if found == 0:
-        raise too_short(name, length, len(encode(1, random.Random(f"{seed}-{name}-probe"))[0]), TOKENS_TO_GENERATE)
+    # sentence haystacks need a slot per needle (one for RULER's own tasks; more when several questions are asked)
+    least = 1 if task.haystack == "essay" else max(task.num_keys, task.num_queries * questions) * task.num_values
+    found = largest_fitting(fits, limit, least)
+    if found < least:
+        smallest = len(encode(least, random.Random(f"{seed}-{name}-probe"))[0])
+        raise too_short(name, length, smallest, TOKENS_TO_GENERATE)
 
     samples = []
     for index in range(num_samples):
-        prompt, answers, units = shrink_to_fit(lambda n: encode(n, random.Random(f"{seed}-{name}-{index}")), found,
-                                            step, budget)
-        samples.append(Sample(task=name, id=f"{name}-{index}", input_ids=tuple(prompt.ids), answers=tuple(answers),
-                              max_new_tokens=max_new_tokens or TOKENS_TO_GENERATE, metric="string_match_all",
-                              meta={"haystack": corpus_name(essay_file) if task.haystack == "essay" else task.haystack,
-                                    "haystack_units": units},
-                              context_end=prompt.context_end, question_end=prompt.question_end))
+        _, asked, units = shrink_to_fit(lambda n: encode(n, random.Random(f"{seed}-{name}-{index}")), found,
+                                        step, budget, least)
+        meta = {"haystack": corpus_name(essay_file) if task.haystack == "essay" else task.haystack,
+                "haystack_units": units}
+        heads = {tuple(p.ids[:p.context_end]) for p, _ in asked}
+        if len(heads) > 1:  # the tokenizer merged across the context's end differently per question
+            raise ValueError(f"ruler.questions={questions}: {name}'s questions do not share their context's tokens "
+                             f"with this tokenizer (a merge across the context's end); set ruler.questions=1")
+        for k, (prompt, answers) in enumerate(asked, 1):
+            many = {"context": f"{name}-{index}", "question": k} if questions > 1 else {}
+            samples.append(Sample(task=name, id=f"{name}-{index}" + (f"/q{k}" if many else ""),
+                                  input_ids=tuple(prompt.ids), answers=tuple(answers),
+                                  max_new_tokens=max_new_tokens or TOKENS_TO_GENERATE, metric="string_match_all",
+                                  meta={**meta, **many}, context_end=prompt.context_end,
+                                  question_end=prompt.question_end))
     return samples
