@@ -80,6 +80,12 @@ def console(monkeypatch, capsys):
             entries[tool]()
         except SystemExit as exit_:
             code = exit_.code
+        finally:  # Hydra's run leaves its config behind in this process: a later compose would read its choices
+            from hydra.core.global_hydra import GlobalHydra
+            from hydra.core.hydra_config import HydraConfig
+
+            HydraConfig.instance().cfg = None
+            GlobalHydra.instance().clear()
         said = capsys.readouterr()
         return code, said.out, said.err
 

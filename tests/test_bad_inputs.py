@@ -174,7 +174,7 @@ BAD = {
     "saliency on think": (["method=think", "ratio=0.5", "saliency=paper"], "saliency=paper is not read by think"),
     "value_score without value_ratio": (["method=snapkv", "budget=64", "value_score=norm"],
                                         "value_score=norm is not read by snapkv, so it would change nothing; "
-                                        "value_score is read by any method, with value_ratio > 0"),
+                                        "value_score is read by any method but mustafar (its own value rule), with value_ratio > 0"),
     "n_sink on snapkv": (["method=snapkv", "budget=64", "n_sink=8"], "n_sink=8 is not read by snapkv"),
     "budget on full in a sweep entry": (["sweep.configs=[{name: full, budget: 0.5}]"],
                                         "sweep.configs[0]: budget=0.5 is not read by full"),
@@ -281,7 +281,7 @@ def test_a_multirun_job_whose_method_ignores_an_option_refuses_the_sweep(tmp_pat
     assert exit_.value.code == 2
     assert lines == ["spark-bench: error: the sweep runs no job: 1 of 2 jobs refused",
                      "spark-bench: error: multirun job 0 (method=snapkv): method: ratio=0.8 is not read by snapkv, so "
-                     "it would change nothing; ratio is read by think, spark (alone or after an eviction method, "
+                     "it would change nothing; ratio is read by think, spark, mustafar (alone or after an eviction method, "
                      "e.g. snapkv+spark)"], lines
     assert not (tmp_path / "out").exists()
 

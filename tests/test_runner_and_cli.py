@@ -317,8 +317,8 @@ UNREAD = {
                        "it), so it would change nothing; constant is read by spark",
     # held out (audit of issue 56, /work/notes/audit56.md): options of another method part
     ("method=snapkv", "budget=64", "value_score=norm"): "method: value_score=norm is not read by snapkv, so it would "
-                                                        "change nothing; value_score is read by any method, with "
-                                                        "value_ratio > 0",
+                                                        "change nothing; value_score is read by any method but "
+                                                        "mustafar (its own value rule), with value_ratio > 0",
     ("method=streamingllm", "budget=64", "kernel_size=3"): "method: kernel_size=3 is not read by streamingllm",
     ("method=streamingllm", "budget=64", "pooling=max"): "method: pooling=max is not read by streamingllm",
     ("method=snapkv", "budget=64", "n_sink=2"): "method: n_sink=2 is not read by snapkv",

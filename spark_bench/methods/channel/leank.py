@@ -78,7 +78,7 @@ class LeanKMask:
         kept = self.kept[layer_idx]
         t = max(int(kept.sum(-1).max()), 1)
         d = kept.shape[-1]
-        rank = torch.arange(d).expand_as(kept)
+        rank = torch.arange(d, device=kept.device).expand_as(kept)
         # kept channels first (in order), then the pruned ones (in order): take the first t, then sort
         order = torch.argsort(torch.where(kept, rank, rank + d), dim=-1)[:, :t]
         channels = order.sort(dim=-1).values
@@ -159,7 +159,7 @@ def _read_json(path: Path) -> LeanKMask:
     if not (isinstance(kept, list) and len(kept) == layers and all(isinstance(x, list) and len(x) == heads
                                                                    for x in kept)):
         raise ValueError(f"\"kept\" is not {layers} layers of {heads} kv-heads' channel lists (shape {shape})")
-    mask = torch.zeros(layers, heads, d, dtype=torch.bool)
+    mask = torch.zeros(layers, heads, d, dtype=torch.bool, device="cpu")  # (a mask is read on the host)
     for i, layer in enumerate(kept):
         for h, channels in enumerate(layer):
             if not (isinstance(channels, list) and all(isinstance(c, int) and not isinstance(c, bool)
