@@ -161,7 +161,7 @@ BAD = {
     # an option the chosen method does not read (issue 46): one rule, naming the option and the methods that read it
     "ratio on snapkv": (["method=snapkv", "budget=64", "ratio=0.8"],
                         "method: ratio=0.8 is not read by snapkv, so it would change nothing; ratio is read by think, "
-                        "spark (alone or after an eviction method, e.g. snapkv+spark)"),
+                        "spark, mustafar (alone or after an eviction method, e.g. snapkv+spark)"),
     "ratio on full": (["method=full", "ratio=0.8"], "method: ratio=0.8 is not read by full"),
     "budget on full": (["method=full", "budget=0.5"],
                        "method: budget=0.5 is not read by full, so it would change nothing; budget is read by "
