@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 
 PAPER_TARGETS = table1 table2 tab_full_llama3-8b tab_full_llama3.1-8b tab_full_llama3.1-70b tab_full_qwen3-8b \
 	tab_full_qwen3-32b tab_app_full_ruler ablation-dist ablation-variants kv-joint figure5 figure2
-.PHONY: demo test test-compat test-gpu gpu-check bench clean paper $(PAPER_TARGETS) figure2-longbench paper-shape protocols \
+.PHONY: demo test test-compat test-gpu gpu-check bench clean paper $(PAPER_TARGETS) figure2-longbench paper-shape channel-methods protocols \
 	wheelhouse node-install node
 
 # The GPU goals need a CUDA device: without one they stop here, before anything is installed, in one line (exit 2)
@@ -161,6 +161,19 @@ figure2-longbench: $(STAMP)
 	    --out results/figure2_longbench; fi
 paper-shape: $(STAMP)
 	$(call experiment,paper_shape,ruler,,--figures --ci --claims)
+# SparK beside ThinK, Mustafar and LeanK at equal KV bytes (issue 53; SmolLM2, offline RULER-2K, 2 CPU cores: LeanK's
+# three masks from one stage 1, ~5 min; the sweep ~1 h): results/channel_methods/report (at_bytes.md, claims.md)
+LEANK_CALIBRATION = model=smollm2-135m "benchmark.tasks=[niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue]" \
+	benchmark.num_samples=4 benchmark.length=1024 benchmark.max_new_tokens=48 benchmark.seed=7 leank_train.align=16 \
+	leank_train.stage1_steps=200 leank_train.stage2_steps=50 leank_train.sink=16 leank_train.recent=128 \
+	leank_train.save_steps=50
+LEANK_MASKS = results/channel_methods/leank
+channel-methods: $(STAMP)
+	if [ "$(DRY_RUN)" != true ]; then \
+	  $(BIN)/spark-bench-leank $(LEANK_CALIBRATION) leank_train.ratio=0.5 leank_train.out=$(LEANK_MASKS)/ratio0.5 && \
+	  for r in 0.7 0.8; do $(BIN)/spark-bench-leank $(LEANK_CALIBRATION) leank_train.ratio=$$r \
+	    leank_train.stage1=$(LEANK_MASKS)/ratio0.5 leank_train.out=$(LEANK_MASKS)/ratio$$r || exit 1; done; fi
+	$(call experiment,channel_methods,ruler,,--ci --claims --figures --at-bytes 0.35,0.375,0.65,0.7,0.75)
 # the official protocol next to the KVCache-Factory style, and each protocol point alone (SmolLM2, offline RULER-2K)
 protocols: $(STAMP)
 	$(call experiment,protocols,ruler,,--ci)

@@ -139,10 +139,11 @@ def memory_prediction(cfg: DictConfig, model_cfg: ModelConfig, configs: list[Met
     limits = {d.name: int(limit * memory.GIB) if limit is not None else free_memory(d.name) for d in devices}
     prediction, over = memory.choose_decode_batch(model_cfg, configs, prompt, new, cfg.get("decode_batch"),
                                                   cfg.get("decode_samples", 1), devices, limits, baseline, suffix,
-                                                  graph, answer)
+                                                  graph, answer, bool(cfg.get("fidelity", True)))
     if over and not cfg.memory.get("check", True):  # run anyway, as configured
         return memory.predict_run(model_cfg, configs, prompt, new, cfg.get("decode_batch"),
-                                  cfg.get("decode_samples", 1), devices, baseline, suffix, graph, answer)
+                                  cfg.get("decode_samples", 1), devices, baseline, suffix, graph, answer,
+                                  bool(cfg.get("fidelity", True)))
     if over:
         device, room = over[0]
         what = "memory.limit_gib" if limit is not None else "free"

@@ -320,8 +320,9 @@ class Footprint:
     holds_prefill: bool  # the prefill is alive while the batch decodes
     baseline: int = 0    # CPU: the process's resident memory when predicted (what the measured peak starts from)
     check_work: int = 0  # the run-time check of a kernel variant: one row's keys and values rebuilt in float32
-    fidelity: int = 0    # the teacher-forced fidelity pass after decoding, one row at a time: its tails, one layer's
-    # temporaries, its logits and log-probabilities (engine/fidelity.py; the decode tail is gone by then)
+    fidelity: int | None = 0  # the teacher-forced fidelity pass after decoding, one row at a time: its tails, one
+    # layer's temporaries, its logits and log-probabilities (engine/fidelity.py; the decode tail is gone by then);
+    # None: the run skips the pass (fidelity=false), no such moment
     overhead: int = 0    # CPU: runtime and allocator overhead the resident set holds besides the tensors
     graph_pool: int = 0  # CUDA: the captured step's private memory pool (its temporaries, not reusable eagerly)
     workspace: int = 0   # CUDA: cuBLAS/cuBLASLt workspaces and the runtime's modules loaded after the check
@@ -330,10 +331,12 @@ class Footprint:
     @property
     def moments(self) -> dict[str, int]:
         held = self.prefill_kv if self.holds_prefill else 0
-        return {"prefill": self.prefill_kv + self.prefill_work,
-                "compression": self.prefill_kv + self.memo + self.caches + self.compress_work,
-                "decode": held + self.caches + self.tail + max(self.step_work, self.check_work),
-                "fidelity": held + self.caches + self.fidelity}
+        out = {"prefill": self.prefill_kv + self.prefill_work,
+               "compression": self.prefill_kv + self.memo + self.caches + self.compress_work,
+               "decode": held + self.caches + self.tail + max(self.step_work, self.check_work)}
+        if self.fidelity is not None:
+            out["fidelity"] = held + self.caches + self.fidelity
+        return out
 
     @property
     def peak(self) -> int:
@@ -435,7 +438,7 @@ def _row_groups(configs: list[MethodConfig], arch: Arch, seq_len: int, dtype: st
 def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: int, new_tokens: int,
                 decode_batch: int | None, decode_samples: int, devices: list[Device] | None = None,
                 baseline: int = 0, suffix: int | None = None, graph: bool = True,
-                answer: int | None = None) -> RunPrediction:
+                answer: int | None = None, fidelity: bool = True) -> RunPrediction:
     """The peak of a run of ``configs`` (``decode_samples`` samples per decode group, ``decode_batch`` rows per
     batch, None = all) on prompts of at most ``prompt_tokens`` tokens and at most ``new_tokens`` decoded ones
     (suffixes included), on ``devices`` (default: one device with every layer). ``baseline``: resident bytes
@@ -443,7 +446,7 @@ def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: 
     (:func:`~spark_bench.plan.bounds`; None: ``new_tokens`` when a config compresses less than the prompt).
     ``graph``: decode steps may be captured in CUDA graphs (``decode_graph``; their pool is in the margin).
     ``answer``: the most reference-answer tokens the fidelity pass feeds (:func:`~spark_bench.plan.bounds`;
-    None: the decoded tokens, ``new_tokens − suffix``).
+    None: the decoded tokens, ``new_tokens − suffix``). ``fidelity=False``: the run skips that pass (no such moment).
 
     Besides the tensors, per CUDA device: the run-time check of each kernel variant (:data:`check_work`, at the
     decode moment), and a margin the start-up check adds (:attr:`Footprint.needed`): the captured step's pool (its
@@ -512,7 +515,7 @@ def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: 
             compress_work if dev.layers else 0, int(f * tail), step, holds,
             baseline if dev.name == "cpu" else 0, check if dev.layers else 0,
             fidelity=int(f * forced_bytes) + (forced_work[on_cuda] if dev.layers else 0)
-            + (forced_logits if dev.last else 0))
+            + (forced_logits if dev.last else 0) if fidelity else None)
         if on_cuda:
             footprint = dataclasses.replace(
                 footprint, graph_pool=step if graphed and dev in cuda else 0, workspace=CUDA_WORKSPACE,
@@ -563,13 +566,14 @@ def over_limit(prediction: RunPrediction, limits: dict[str, int]) -> list[tuple[
 def choose_decode_batch(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: int, new_tokens: int,
                         decode_batch: int | None, decode_samples: int, devices: list[Device], limits: dict[str, int],
                         baseline: int = 0, suffix: int | None = None, graph: bool = True,
-                        answer: int | None = None) -> tuple[RunPrediction, list[tuple[Footprint, int]]]:
+                        answer: int | None = None, fidelity: bool = True
+                        ) -> tuple[RunPrediction, list[tuple[Footprint, int]]]:
     """The prediction for ``decode_batch`` rows per batch when the user set it; else for the largest batch whose
     prediction plus margin (:attr:`Footprint.needed`) fits ``limits`` (bytes per device). Also the devices that do
     not fit (empty: it fits)."""
     def at(batch: int) -> tuple[RunPrediction, list]:
         prediction = predict_run(model, configs, prompt_tokens, new_tokens, batch, decode_samples, devices, baseline,
-                                 suffix, graph, answer)
+                                 suffix, graph, answer, fidelity)
         return prediction, over_limit(prediction, limits)
 
     rows = len(configs) * decode_samples

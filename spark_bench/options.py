@@ -154,4 +154,5 @@ LEANK_TRAIN_OPTIONS = {  # spark-bench-leank (spark_bench/leank): LeanK's two-st
     "initial_value": Option("number", 0, 1), "sink": Option("int", 0), "recent": Option("int", 0),
     "save_steps": POSITIVE_INT, "seed": Option("int"), "cache_teacher": Option("bool"),
     "out": Option("str", nonempty=True, nullable=True, null="results/<run>/leank"),
+    "stage1": Option("str", nonempty=True, nullable=True, null="train stage 1 here"),  # another run's checkpoint.pt
 }

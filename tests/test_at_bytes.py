@@ -127,3 +127,70 @@ def test_a_bad_fraction_is_refused_in_one_line(run, tmp_path, capsys, value):
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and "--at-bytes:" in err and "(0, 1]" in err
     assert not out.exists()
+
+
+# ---- claims at equal bytes (spark_bench.report.bytes_claims) -------------------------------------------------------
+
+def _bytes_claim_run(root):
+    """SparK, Mustafar and LeanK (two mask files) at two byte fractions each, 20 samples in each of two tasks; the
+    fidelity numbers differ per sample, so the paired interval has width."""
+    import torch
+
+    from spark_bench.methods.channel.leank import LeanKMask, write_mask
+
+    masks = []
+    for pruned in (8, 12):  # of 16 channels: λ 0.5 and 0.75
+        kept = torch.zeros(2, 2, 16, dtype=torch.bool)
+        kept[..., pruned:] = True
+        masks.append(root / f"mask{pruned}.json")
+        write_mask(LeanKMask(kept, 4), masks[-1])
+    configs = [(MethodConfig(name="spark", ratio=0.5), 0.8, 0.10), (MethodConfig(name="spark", ratio=0.8), 0.6, 0.30),
+               (MethodConfig(name="mustafar", ratio=0.5), 0.75, 0.40), (MethodConfig(name="mustafar", ratio=0.8),
+                                                                         0.55, 0.80),
+               (MethodConfig(name="leank", leank={"mask": str(masks[0])}), 0.75, 0.35),
+               (MethodConfig(name="leank", leank={"mask": str(masks[1])}), 0.62, 0.60)]
+    from spark_bench.methods.pipeline import sweep_labels
+
+    out = []
+    for (config, fraction, kl), label in zip(configs, sweep_labels([c for c, *_ in configs])):
+        for task in TASKS:
+            for i in range(20):
+                out.append({"config": label, "method": config.to_dict(), "task": task, "id": f"{task}-{i}",
+                            "prompt_length": 100, "prediction": "x", "tokens": [1], "answers": ["x"],
+                            "score": float(100 * (i % 2)), "kv_bytes": fraction * FULL, "kv_bytes_full": FULL,
+                            "key_ratio": 0.5, "length": None, "answer_nll": kl + 0.5, "kl_full": kl + 0.01 * i,
+                            "agree_full": 1.0, "kl_tokens": 4})
+    run = root / "run"
+    run.mkdir()
+    (run / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out))
+    return run
+
+
+def test_claims_at_equal_bytes_pair_each_samples_interpolated_value(tmp_path, capsys):
+    from spark_bench.report import bytes_claims
+    from spark_bench.report.figures import load_predictions
+
+    run = _bytes_claim_run(tmp_path)
+    preds = load_predictions([run])
+    pts = at_bytes.points(preds, resamples=100)
+    assert {(r.family, r.point) for r in pts.itertuples()} >= {("LeanK", "λ 0.5"), ("LeanK", "λ 0.75")}
+    spark = pts[pts.family == "SparK"]
+    mine = bytes_claims.per_sample(preds, spark, 0.7, "kl_full")  # halfway between SparK's 0.6 and 0.8
+    assert mine.loc[("niah_single_1", "niah_single_1-3")] == pytest.approx(0.5 * (0.13 + 0.33))
+    assert mine.mean() == pytest.approx(at_bytes.interpolate(spark, 0.7, "kl_full")[0])
+    assert bytes_claims.per_sample(preds, spark, 0.55, "kl_full") is None  # outside: never extrapolated
+
+    claims = bytes_claims.check(preds, (0.55, 0.7), resamples=200).set_index(["claim", "block"])
+    kl = claims.loc[("SparK moves the distribution less than Mustafar at equal KV bytes (KL to full)", "70% KV bytes")]
+    # Mustafar at 0.7: 0.75 → 0.8 weight 0.25 from its 0.55 point: 0.4 + 0.25·(0.8 − 0.4) = 0.5; SparK 0.2
+    assert kl.estimate == pytest.approx(0.2 - 0.5) and kl.n == 40 and kl.verdict == "holds"
+    assert kl.row == "SparK" and kl.vs == "Mustafar" and kl.low == pytest.approx(-0.3) == kl.high  # same jitter
+    score = claims.loc[("SparK scores above Mustafar at equal KV bytes", "70% KV bytes")]
+    assert score.estimate == pytest.approx(0.0) and score.verdict == "fails"  # the same score on every sample
+    assert ("SparK moves the distribution less than LeanK at equal KV bytes (KL to full)",
+            "70% KV bytes") in claims.index
+    assert not any(block == "55% KV bytes" for _, block in claims.index)  # SparK's range is 60-80%
+
+    report_main([str(run), "--claims", "--at-bytes", "0.7", "--resamples", "100", "--out", str(tmp_path / "rep")])
+    written = pd.read_csv(tmp_path / "rep" / "claims.csv")
+    assert "SparK moves the distribution less than Mustafar at equal KV bytes (KL to full)" in set(written.claim)

@@ -98,25 +98,24 @@ def test_every_page_says_who_it_is_for():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
 
 
-def test_the_cfg_job_and_dry_run_commands_written_in_the_docs_run(tmp_path):
+def test_the_cfg_job_and_dry_run_commands_written_in_the_docs_run(tmp_path, console, monkeypatch):
     """Every ``spark-bench ... --cfg job`` / ``dry_run=true`` line: it composes and prints (a dry run of a hub model
-    may end with 'the run would stop: …' here, where no hub is reachable, never with a config error)."""
+    may end with 'the run would stop: …' here, where no hub is reachable, never with a config error). Run in this
+    process from the console script's entry (tests/conftest.py ``console``), from the repository root."""
     import shlex
-    import subprocess
-    import sys
 
+    monkeypatch.chdir(ROOT)
     commands = [line.split("#")[0].strip() for page in DOCS for line in page.read_text().splitlines()
                 if re.search(r"spark-bench\s.*(--cfg job|dry_run=true)", line)]
     assert len(commands) >= 3
     for command in commands:
         args = [f"output_root={tmp_path}", "hub_timeout_s=1", *shlex.split(command)[1:]]  # Hydra: overrides first
-        out = subprocess.run([sys.executable, "-m", "spark_bench.cli", *args], capture_output=True, text=True,
-                             timeout=300, cwd=ROOT, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+        code, out, err = console(args)
         if "--cfg" in args:
-            assert out.returncode == 0 and "benchmark:" in out.stdout, (command, out.stderr[-500:])
+            assert code == 0 and "benchmark:" in out, (command, err[-500:])
         else:
-            assert "spark-bench (dry run)" in out.stdout, (command, out.stderr[-500:])
-            errors = [line for line in out.stderr.splitlines() if "error:" in line]
+            assert "spark-bench (dry run)" in out, (command, err[-500:])
+            errors = [line for line in err.splitlines() if "error:" in line]
             assert all("the run would stop:" in line for line in errors), (command, errors)
 
 

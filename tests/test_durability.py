@@ -144,7 +144,14 @@ def test_same_seed_same_bytes(tmp_path, uninterrupted, console):
     assert (tmp_path / "again" / "predictions.jsonl").read_bytes() == (uninterrupted / "predictions.jsonl").read_bytes()
 
 
-@pytest.mark.parametrize("launcher", ["local_parallel", "local_submitit"])
+def test_the_parallel_launcher_composes(console):
+    """``hydra/launcher=local_parallel`` (joblib processes on one machine) resolves with the run's options; the
+    two-job sweep below runs through submitit's local launcher, the cluster's path."""
+    code, out, err = console([*BASE, "hydra/launcher=local_parallel", "--cfg", "hydra"])
+    assert code == 0 and "JoblibLauncher" in out and "n_jobs: 2" in out, (out[-2000:], err[-2000:])
+
+
+@pytest.mark.parametrize("launcher", ["local_submitit"])
 def test_two_job_sweep_through_launcher(tmp_path, launcher):
     out = cli(["-m", f"hydra/launcher={launcher}", *BASE, "benchmark.num_samples=1", "method=snapkv,tova",
                "budget=64", f"output_root={tmp_path}", "run=multi"], cwd=tmp_path)

@@ -447,3 +447,17 @@ def test_the_rank_popcount_counts_the_set_bits_of_every_word(triton_on_cpu):
     out = torch.zeros_like(x)
     count[(1,)](x, out, len(words))
     assert out.tolist() == [bin(w & 0xFFFFFFFF).count("1") for w in words]
+
+
+def test_the_launch_shape_follows_the_triton_that_compiles_it():
+    """One table decides the bfloat16 warps, the L2 prefetch and what check.py reports, by Triton version: 3.9 the
+    tuned kernel, 3.6–3.8 the same launch with its spill named, before 3.6 (torch 2.6's 3.2) 8 warps and no prefetch."""
+    from spark_bench.storage import triton_versions as td
+
+    tuned, spilling, old = td.triton_launch((3, 9)), td.triton_launch((3, 6)), td.triton_launch((3, 2))
+    assert (tuned.bf16_warps, tuned.prefetch, tuned.notes) == (4, True, ())
+    assert td.triton_launch((3, 8)) == spilling and (spilling.bf16_warps, spilling.prefetch) == (4, True)
+    assert "spills" in spilling.notes[0] and td.triton_launch((4, 0)) == tuned
+    assert (old.bf16_warps, old.prefetch, len(old.notes)) == (8, False, 2) and td.triton_launch((3, 5)) == old
+    assert td.PARTIAL_WARPS == {2: td.SHAPE.bf16_warps, 4: 8} and td.PREFETCH == td.SHAPE.prefetch
+    assert td.TRITON_NOTES == list(td.triton_launch(td.TRITON).notes)

@@ -245,3 +245,19 @@ def test_training_writes_a_mask_of_the_model_shape_and_resumes(tmp_path, monkeyp
         _train(monkeypatch, crash_out, "leank_train.ratio=0.5")
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and "\n" not in err and "was made with ratio=0.7" in err, err
+
+    # masks at other ratios share that stage 1: stage 2 from out's checkpoint is a whole run at that ratio
+    _train(monkeypatch, tmp_path / "at_05_whole", "leank_train.ratio=0.5")
+    _train(monkeypatch, tmp_path / "at_05", "leank_train.ratio=0.5", f"leank_train.stage1={out}")
+    whole = torch.load(tmp_path / "at_05_whole" / "checkpoint.pt", weights_only=True)
+    shared = torch.load(tmp_path / "at_05" / "checkpoint.pt", weights_only=True)
+    assert torch.equal(shared["stage1_scales"], state["stage1_scales"])
+    assert torch.equal(shared["scales"], whole["scales"]) and shared["history"] == whole["history"]
+    capsys.readouterr()
+    for extra, expected in ((f"leank_train.stage1={tmp_path / 'nowhere'}", "is not a file"),
+                            (f"leank_train.stage1={out}", "stage 1 was made with stage1_steps=3")):
+        with pytest.raises(SystemExit) as exit_:
+            _train(monkeypatch, tmp_path / "refused", "leank_train.stage1_steps=4", extra)
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and "\n" not in err and expected in err and "leank_train.stage1" in err, err
+    assert not (tmp_path / "refused").exists()

@@ -157,7 +157,10 @@ def test_keys_are_the_bare_kind_and_sparse_values_take_a_named_path():
     layer = StoredLayer(bare, DenseStore(values))
     assert stackable(layer, "cpp") is None
     windowed = StoredLayer(prune_store(keys, 0.5), prune_store(values, 0.5))
-    assert "WindowedStore is not a compact key store" in stackable(windowed, "cpp")
+    assert store_blocker(windowed.key_store) is None  # its pruned tokens' segments, then its window's (dense)
+    modes = [r[-1] for r in SegmentStack([windowed.key_store])._rows]
+    assert modes == [0, 3] * 2  # per head: the bare segment (constant fill 0), then the dense window
+    assert stackable(StoredLayer(windowed.key_store, DenseStore(values)), "cpp") is None
     sparse = StoredLayer(bare, prune_store(values, 0.5))
     assert dispatch.value_blocker(DenseStore(values), "triton") is None
     assert stackable(sparse, "cpp") == ("value channels are pruned: per-row path, values rebuilt per step from "
@@ -169,7 +172,7 @@ def test_keys_are_the_bare_kind_and_sparse_values_take_a_named_path():
     with pytest.warns(UserWarning) as record:
         stackable(windowed, "triton", warn=True)
     said = " | ".join(str(w.message) for w in record)
-    assert "WindowedStore is not a compact key store" in said and "no value-sparse member kind yet" in said
+    assert "no value-sparse member kind yet" in said and "key" not in said
     # the per-row path's keys: the compact part through the C++ kernel, the window as plain rows
     q = torch.randn(1, 2, 3, 64, generator=g)
     store = windowed.key_store

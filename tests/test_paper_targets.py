@@ -170,20 +170,15 @@ def test_the_plan_is_a_roofline_with_its_assumptions_printed(tmp_path):
     assert "prefill 400 TFLOP/s" in plan.estimate(model, configs, work, 127500, root=tmp_path).lines()[-1]
 
 
-def test_dry_run_prints_the_plan_of_every_table():
+def test_dry_run_prints_the_plan_of_every_table(console):
     """Every paper target's dry run plans its samples, configs, forwards, memory and hours (no model, no data)."""
-    import os
-    import subprocess
-    import sys
-
     from spark_bench.plan import LONGBENCH_RECORDS
 
     assert sum(LONGBENCH_RECORDS.values()) == 3750
-    proc = subprocess.run([sys.executable, "-m", "spark_bench.cli", "+experiment=tab_full_llama3_1_8b", "dry_run=true"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    code, out, err = console(["+experiment=tab_full_llama3_1_8b", "dry_run=true", "hub_timeout_s=1"])
     # the model is not on this machine: the plan is printed, and the dry run says the real run would stop (exit 2)
-    assert proc.returncode == 2 and "the run would stop: model llama3.1-8b" in proc.stderr, proc.stderr
-    plan = [line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("plan:")]
+    assert code == 2 and "the run would stop: model llama3.1-8b" in err, err
+    plan = [line.strip() for line in out.splitlines() if line.strip().startswith("plan:")]
     assert plan[0].startswith("plan: samples per task (published): narrativeqa 200")
     assert plan[1].startswith("plan: 3750 samples × 56 configs; prompts ≤ 127500 tokens;")
     assert "KV per sample ≤" in plan[2] and any("GPU-hours on one NVIDIA H100" in line for line in plan)

@@ -279,6 +279,10 @@ def test_the_planner_adds_the_graph_pool_workspaces_and_a_fragmentation_margin()
     assert eager.graph_pool == loose.graph_pool == 0 and all(x.graph_pool == 0 for x in two.devices)
     cpu = memory.predict_run(model, HEADROOM, 8192, 64, None, 1, suffix=8).devices[0]
     assert cpu.margin == 0 and cpu.check_work == d.check_work
+    # fidelity=false: no fidelity pass, no such moment; the other moments as with it
+    off = memory.predict_run(model, HEADROOM, 8192, 64, None, 1, gpu, suffix=8, fidelity=False).devices[0]
+    assert set(d.moments) - set(off.moments) == {"fidelity"} and d.moments["fidelity"] > 0
+    assert all(off.moments[k] == d.moments[k] for k in off.moments) and off.peak <= d.peak
 
 
 def test_the_start_up_check_fits_the_peak_with_its_margin():

@@ -140,8 +140,7 @@ def test_ablation_layouts_from_runs(tiny_lm, tmp_path):
     assert "Overall ratio" in to_markdown(variants, VARIANTS)
 
 
-@pytest.mark.parametrize("target", ["table1", "table2", "ablation-dist", "ablation-variants", "kv-joint", "figure5",
-                                    "paper-shape"])
+@pytest.mark.parametrize("target", ["table1", "paper-shape"])  # make itself: a hub model's plan, the tiny model's
 def test_make_targets_resolve_and_start(target):
     import subprocess
 
@@ -156,6 +155,31 @@ def test_make_targets_resolve_and_start(target):
     if target in ("table1", "table2"):
         table = {"table1": "tab_main", "table2": "tab_main_ruler"}[target]
         assert f"spark-bench-report: paper table {table} → " in out.stdout and "cells)" in out.stdout
+
+
+def test_the_targets_experiments_plan_and_start(console, monkeypatch, capsys):
+    """The other make targets' experiments (each recipe's ``$(call experiment,…)``, as `make <target> DRY_RUN=true`
+    runs them), dry-run from the console script's entry in this process: each plans its configs; a hub model's stops
+    at the model (exit 2), SmolLM2's would start (exit 0). A target's paper table passes `spark-bench-report --check`."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    makefile = (root / "Makefile").read_text()
+    recipes = dict(re.findall(r"^([\w.\-]+):.*\n((?:\t.*\n)+)", makefile, flags=re.M))
+    # the appendix's full tables (tab_full_*, tab_app_full_ruler) plan like table1 and are checked row by row in
+    # tests/test_paper_targets.py; figure2's run in tests/test_analysis.py
+    others = ["table2", "ablation-dist", "ablation-variants", "kv-joint", "figure5", "channel-methods"]
+    assert set(others) <= {t for t, r in recipes.items() if "$(call experiment," in r}
+    for target in others:
+        for name, paper in re.findall(r"\$\(call experiment,(\w+),\w+,([^,]*),", recipes[target]):
+            code, out, err = console([f"+experiment={name}", "dry_run=true", "hub_timeout_s=1"])
+            assert "spark-bench (dry run):" in out and "method configs" in out, (target, name, err[-800:])
+            hub = "smollm2" not in out.split("\n", 1)[0]
+            assert (code, "the run would stop: model" in err) == ((2, True) if hub else (0, False)), (name, err)
+            if paper:
+                report_main(["--check", *paper.split()])  # as the recipe: --check --paper tab_main_ruler
+                assert "cells)" in capsys.readouterr().out, (target, paper)
 
 
 def test_report_with_intervals_paired_deltas_and_claims(run_dir, tmp_path):
@@ -238,7 +262,7 @@ def test_sample_note_names_each_task_below_the_papers_count(tmp_path):
     ("full", None, "full / eviction only"), ("snapkv", None, "full / eviction only"),
     ("pyramidkv+think", None, "ThinK"), ("think", None, "ThinK"),
     ("snapkv+spark", "degenerate", "SparK"), ("spark", "gaussian", "SparK"),
-    ("snapkv+spark", "none", "SparK, no recovery")])
+    ("snapkv+spark", "none", "SparK, no recovery"), ("snapkv+mustafar", None, "Mustafar"), ("leank", None, "LeanK")])
 def test_every_config_has_a_scatter_family(name, recovery, expected):
     """Fig. 5c and score vs throughput plot every config: channel methods alone and unrecovered SparK included."""
     from spark_bench.report.figures import family

@@ -2,9 +2,6 @@
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pandas as pd
@@ -108,17 +105,17 @@ def test_bad_method_option_is_one_clear_error():
         method_configs(_compose(["method=spark", "ratio=1.5"]))
 
 
-def test_cli_multirun_end_to_end(tmp_path, monkeypatch):
-    """Two jobs, each its own directory and its own tracked run (MLflow's local file store), grouped by the run."""
+def test_cli_multirun_end_to_end(tmp_path, monkeypatch, console):
+    """Two jobs, each its own directory and its own tracked run (MLflow's local file store), grouped by the run
+    (Hydra's basic launcher runs them one after the other in this process)."""
     import mlflow
 
-    cmd = [sys.executable, "-m", "spark_bench.cli", "-m", "model=tiny-llama", "method=snapkv+spark",
-           "ratio=0.5,0.8", "budget=64", "benchmark.tasks=[niah_single_1]", "benchmark.length=512",
-           "benchmark.num_samples=1", "benchmark.max_new_tokens=4", f"output_root={tmp_path}", "run=cli",
-           "tracking=mlflow"]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, "CI": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("CI", "1")
+    code, _, err = console(["-m", "model=tiny-llama", "method=snapkv+spark", "ratio=0.5,0.8", "budget=64",
+                            "benchmark.tasks=[niah_single_1]", "benchmark.length=512", "benchmark.num_samples=1",
+                            "benchmark.max_new_tokens=4", f"output_root={tmp_path}", "run=cli", "tracking=mlflow"])
+    assert code == 0, err[-2000:]
     for job in ("0", "1"):
         job_dir = tmp_path / "cli" / job
         assert (job_dir / "config.yaml").exists() and (job_dir / "predictions.jsonl").exists()

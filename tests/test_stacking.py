@@ -13,15 +13,18 @@ from spark_bench.engine.fastpaths import FastPaths
 from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.engine.prefill import LayerPrefill
 from spark_bench.methods import MethodConfig, Pipeline
+from spark_bench.methods.channel.mustafar import prune_store
+from spark_bench.methods.channel.recovery import ConstantFill
 from spark_bench.methods.channel.spark import SparK
 from spark_bench.methods.channel.think import ThinK
 from spark_bench.storage import dispatch
 from spark_bench.storage.bits import pack_bits
 from spark_bench.storage.segments import SEG_COLS, WORK_COLS, FusedTables, SegmentStack, ValueStack
-from spark_bench.storage.stores import DenseStore
+from spark_bench.storage.stores import DenseStore, UnstructuredStore
+from spark_bench.storage.windowed import WindowedStore
 
 # every store kind a compact kernel serves: SparK fixed-T in each kernel mode, ThinK with and without its dense
-# recent window, dense keys
+# recent window, Mustafar with its dense window, dense keys
 KINDS = {
     "spark_official": lambda: SparK(ratio=0.8),
     "spark_official_0.5": lambda: SparK(ratio=0.5),
@@ -33,8 +36,21 @@ KINDS = {
     "spark_fork_pool0": lambda: SparK(ratio=0.8, recovery="fork_pool0"),
     "think_window": lambda: ThinK(ratio=0.5, window_size=32),
     "think_no_window": lambda: ThinK(ratio=0.8, window_size=32, keep_window=False),
+    "mustafar_window": lambda: _UntiedMustafar(),  # its pruned tokens (zero fill), then its dense window of 32
     "dense": None,
 }
+
+
+class _UntiedMustafar:
+    """Mustafar(0.5) with its window of 32, the rule's mask taken with magnitude ties broken (a float32 nudge by
+    channel): every token keeps one count, the layout the stacked kernels serve (a store with ties decodes on the
+    per-row path); the store in the keys' own dtype."""
+
+    def compress_keys(self, keys, layer, layer_idx=0):
+        nudge = 1e-4 * torch.arange(keys.shape[-1], device=keys.device) / keys.shape[-1]
+        old = prune_store(keys.float().abs() + nudge, 0.5).old
+        return WindowedStore(UnstructuredStore.from_mask(keys[..., :old.length, :], old.kept_mask(), ConstantFill(0.0)),
+                             keys[..., old.length:, :].clone())
 
 
 def _stores(dtype, head_dim, group, kinds, seed=0, device="cpu", length=None):
@@ -188,14 +204,14 @@ FUSED_CASES = [  # head_dim, group, q_len, dtype, chunk: every kind in one launc
                          ids=lambda x: str(x).replace("torch.", ""))
 def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, q_len, dtype, chunk, only):
     """Every store kind (SparK official / paper degenerate, zero, none, constant, fork_pool0, ThinK with and without
-    its dense window, dense keys) in one launch (or ``only`` these), rows of different lengths, three rows sharing
+    its dense window, Mustafar with its window, dense keys) in one launch (or ``only`` these), rows of different lengths, three rows sharing
     one value tensor (read once per work item), AdaKV validity bits on one row, the decoded tail causal for a suffix:
     equal to float64 softmax attention within 1e-5 relative (float32 logits and softmax; the only rounding is float32
     summation). With ``chunk``, every member loop of the kernel runs (``kinds``: its columns of the work table); the
     kernel is specialised to the kinds the work items hold (``tables.kinds``: a bit each, the others' loops absent)."""
     kinds = ["spark_official", "spark_paper", "spark_zero", "spark_fork_pool0", "think_window", "dense"]
     if head_dim == 64:
-        kinds += ["spark_none", "spark_constant", "think_no_window", "spark_paper_constant"]
+        kinds += ["spark_none", "spark_constant", "think_no_window", "spark_paper_constant", "mustafar_window"]
     kinds = only or kinds
     stores = _stores(dtype, head_dim, group, kinds, seed=3, device=DEVICE)
     g = torch.Generator().manual_seed(4)

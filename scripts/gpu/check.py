@@ -605,16 +605,16 @@ def two_devices(bench: Bench) -> dict:
 
 def triton_state() -> dict:
     """The Triton the fused kernels run under: its version, what differs from the kernels as tuned (for 3.9:
-    :data:`~spark_bench.storage.triton_decode.TRITON_NOTES`) and what it disables (nothing from 3.2, torch 2.6's, on:
+    :data:`~spark_bench.storage.triton_versions.TRITON_NOTES`) and what it disables (nothing from 3.2, torch 2.6's, on:
     docs/development.md#tested-versions); without an importable triton, the CUDA path itself."""
     try:
-        from spark_bench.storage import triton_decode
+        from spark_bench.storage import triton_decode, triton_versions  # noqa: F401 (the kernels must import)
     except Exception as exc:  # noqa: BLE001 — no (usable) triton: the fused kernel is what it disables
         return {"version": "none", "notes": [f"{type(exc).__name__}: {exc}"],
                 "disabled": ["the fused CUDA kernel (compact rows attend by rebuilt keys)"]}
     import triton
 
-    return {"version": triton.__version__, "notes": list(triton_decode.TRITON_NOTES), "disabled": []}
+    return {"version": triton.__version__, "notes": list(triton_versions.TRITON_NOTES), "disabled": []}
 
 
 WORKLOADS = ("table1_mix", "row_32k", "row_127.5k")

@@ -10,7 +10,10 @@ by default, LongBench, or ``benchmark.data_file``) — plus the ``leank_train.*`
 Everything is checked before the model loads (the run's keys, the training's against the model's shape, the output
 place, a checkpoint there made with other settings), each problem one line, exit 2. It writes ``mask.json`` (run it
 with ``method=leank leank.mask=<out>/mask.json``), ``train_log.json`` and ``checkpoint.pt`` into ``leank_train.out``
-(null: ``results/<run>/leank``); a rerun with the same command resumes from the checkpoint.
+(null: ``results/<run>/leank``); a rerun with the same command resumes from the checkpoint. Masks at several ratios
+share one stage 1 (it reads no ratio): ``leank_train.stage1=<out of a finished run>`` (its directory or its
+``checkpoint.pt``) starts stage 2 from that run's stage-1 scales, e.g. ``leank_train.ratio=0.8
+leank_train.stage1=results/leank leank_train.out=results/leank_0.8``.
 """
 
 from __future__ import annotations
@@ -59,34 +62,55 @@ def settings_of(cfg: DictConfig, model) -> tuple:
                           f"divides model {model.name}'s head_dim {d}: one of {', '.join(map(str, divisors))} "
                           "(LeanK: 32)")
     out = Path(values["out"]) if values.get("out") else output_dir(cfg) / "leank"
-    return settings, out, bool(values.get("cache_teacher", True))
+    stage1 = values.get("stage1")
+    if stage1:
+        stage1 = Path(stage1) / "checkpoint.pt" if Path(stage1).is_dir() else Path(stage1)
+        if not stage1.is_file():
+            raise ConfigError(f"leank_train.stage1: {stage1} is not a file; give the leank_train.out of a run whose "
+                              "stage 1 finished (its directory or its checkpoint.pt)")
+    return settings, out, bool(values.get("cache_teacher", True)), stage1
 
 
 def prepare(cfg: DictConfig):
     """Everything checked before the model loads: the run's keys, model and data sources, the training's keys,
-    the output place and a checkpoint there. Returns (model config, device, settings, out, cache_teacher)."""
+    the output place and a checkpoint there, the stage 1 to start from. Returns (model config, device, settings,
+    out, cache_teacher, stage1 checkpoint or None)."""
     model_cfg, _ = validate(cfg)
-    settings, out, cache_teacher = settings_of(cfg, model_cfg)
+    settings, out, cache_teacher, stage1 = settings_of(cfg, model_cfg)
     check_output(out, "leank_train.out")
     checkpoint = out / "checkpoint.pt"
     if checkpoint.is_file():
         _check_checkpoint(checkpoint, settings)
-    return model_cfg, resolve_device(cfg.get("device", "auto"), model_cfg), settings, out, cache_teacher
+    if stage1 is not None:
+        _check_checkpoint(stage1, settings, stage1=True)
+    device = resolve_device(cfg.get("device", "auto"), model_cfg)
+    return model_cfg, device, settings, out, cache_teacher, stage1
 
 
-def _check_checkpoint(path: Path, settings) -> None:
-    """A checkpoint in the output place was made with these settings (it is resumed), else one line."""
+def _check_checkpoint(path: Path, settings, stage1: bool = False) -> None:
+    """A checkpoint in the output place was made with these settings (it is resumed), else one line; with ``stage1``,
+    the checkpoint stage 2 starts from has finished a stage 1 made with these stage-1 settings."""
     from dataclasses import asdict
 
-    import torch
+    from spark_bench.leank.train import STAGE2_ONLY, load_checkpoint
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_checkpoint(path)
         theirs = json.loads(state["fingerprint"])["settings"]
     except Exception as err:  # noqa: BLE001 — a damaged or foreign file
-        raise ConfigError(f"leank_train.out: {path} is not a readable spark-bench-leank checkpoint "
-                          f"({type(err).__name__}); remove it or choose another leank_train.out") from None
-    differ = [f"{k}={theirs.get(k)!r}" for k, v in asdict(settings).items() if theirs.get(k) != v]
+        key = "leank_train.stage1" if stage1 else "leank_train.out"
+        raise ConfigError(f"{key}: {path} is not a readable spark-bench-leank checkpoint "
+                          f"({type(err).__name__}); remove it or choose another {key}") from None
+    differ = [f"{k}={theirs.get(k)!r}" for k, v in asdict(settings).items()
+              if theirs.get(k) != v and not (stage1 and k in STAGE2_ONLY)]
+    if stage1:
+        if differ:
+            raise ConfigError(f"leank_train.stage1: {path}'s stage 1 was made with {', '.join(differ)}; stage 2 "
+                              "starts only from a stage 1 with the same settings")
+        if state.get("stage1_scales") is None:
+            raise ConfigError(f"leank_train.stage1: {path} has not finished stage 1 (stage {state['stage']}, step "
+                              f"{state['step']}); let that run finish its stage 1 first")
+        return
     if differ:
         raise ConfigError(f"leank_train.out: {path} was made with {', '.join(differ)}; rerun with those to resume, "
                           "or choose another leank_train.out")
@@ -102,17 +126,20 @@ def _leank(cfg: DictConfig) -> None:
     from spark_bench.leank.train import Trainer, examples_of
 
     try:
-        model_cfg, device, settings, out, cache_teacher = prepare(cfg)
+        model_cfg, device, settings, out, cache_teacher, stage1 = prepare(cfg)
         lm = load_model(model_cfg, device)
         examples = examples_of(load_samples(cfg, lm), lm.tokenizer)
         progress = bool(cfg.get("progress", True)) and sys.stderr.isatty()
         trainer = Trainer(lm.model, examples, settings, out, model_cfg.name, progress, cache_teacher, LOG.info)
         resumed = trainer.resume()
+        if stage1 is not None and not resumed:
+            trainer.start_from(stage1)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         fail(TOOL, cfg, err)
     LOG.info(f"{model_cfg.name}: {len(examples)} calibration samples of {cfg.benchmark.name}, "
              f"{settings.stage1_steps} + {settings.stage2_steps} steps → {out}"
-             + (f" (resumed at stage {trainer.stage}, step {trainer.step})" if resumed else ""))
+             + (f" (resumed at stage {trainer.stage}, step {trainer.step})" if resumed else
+                f" (stage 2 from the stage 1 of {stage1})" if stage1 is not None else ""))
     mask = trainer.run()
     LOG.info(f"mask: ratio {mask.ratio:.4f} (target {settings.ratio:g}, align {settings.align}) → {out / 'mask.json'}")
 

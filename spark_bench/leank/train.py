@@ -22,7 +22,9 @@ the last fifth) in each stage.
 
 A checkpoint (scales, stage 1's result, optimizer, scheduler, step, the log) is written every ``save_steps`` steps
 and at each stage's end; a rerun with the same settings and examples resumes from it exactly (the example order is a
-function of the step).
+function of the step). Stage 1 does not read the target ratio (nor any of :data:`STAGE2_ONLY`), so masks at several
+ratios can share one: :meth:`Trainer.start_from` begins stage 2 from another run's finished stage 1 (LeanK's own
+stage 2 reloads stage 1's saved scales the same way, ``leank_train.stage1``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ ATTENTION_NAME = "spark_bench_leank_train"
 CHECKPOINT = "checkpoint.pt"
 MASK = "mask.json"
 LOG = "train_log.json"
+STAGE2_ONLY = ("ratio", "align", "stage2_steps", "stage2_lr", "stage2_reg_weight", "save_steps")  # unread by stage 1
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,11 @@ def _cache_of(kv) -> DynamicCache:
     return cache
 
 
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint this trainer wrote (tensors and strings only: ``weights_only``)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def lr_factor(total: int):
     """LeanK's schedule (``LambdaLR``): ``min(1, max((t+1)/(N//5), 0.1), max((N−t)/(N//5), 0.1))``; ``N//5`` is at
     least 1 here (LeanK's divides by zero below 5 steps)."""
@@ -191,13 +199,40 @@ class Trainer:
                     "history": json.dumps(self.history)}, tmp)
         os.replace(tmp, path)
 
+    def _stage1_fingerprint(self, fingerprint: dict) -> dict:
+        return {**fingerprint, "settings": {k: v for k, v in fingerprint["settings"].items() if k not in STAGE2_ONLY}}
+
+    def start_from(self, checkpoint: Path) -> None:
+        """Begin at stage 2, step 0, from the stage 1 another run finished (its ``checkpoint.pt``): ValueError when
+        its stage 1 is unfinished or was made with other stage-1 settings, model shape or calibration samples."""
+        state = load_checkpoint(checkpoint)
+        theirs = self._stage1_fingerprint(json.loads(state["fingerprint"]))
+        ours = self._stage1_fingerprint(self._fingerprint())
+        if state.get("stage1_scales") is None:
+            raise ValueError(f"leank_train.stage1: {checkpoint} has not finished stage 1 (stage {state['stage']}, "
+                             f"step {state['step']}); let that run finish its stage 1 first")
+        if theirs != ours:
+            differ = [k for k in ours if theirs.get(k) != ours[k]]
+            if "settings" in differ:
+                differ = [f"leank_train.{k}={v!r}" for k, v in theirs["settings"].items()
+                          if ours["settings"].get(k) != v]
+            raise ValueError(f"leank_train.stage1: {checkpoint}'s stage 1 was made with other "
+                             f"{', '.join(differ)}; stage 2 starts only from the same stage 1")
+        self.stage, self.step = 2, 0
+        self.stage1_scales = state["stage1_scales"]
+        with torch.no_grad():
+            self.scales.copy_(self.stage1_scales.to(self.device))
+        self.history = [h for h in json.loads(state["history"]) if h["stage"] == 1]
+        self._new_optimizer()
+        self.save()
+
     def resume(self) -> bool:
         """Continue from ``out``'s checkpoint when there is one (True); ValueError when it was made with other
         settings or examples."""
         path = self.out / CHECKPOINT
         if not path.is_file():
             return False
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_checkpoint(path)
         if state["fingerprint"] != json.dumps(self._fingerprint(), sort_keys=True):
             raise ValueError(f"{path} was made with other leank_train settings or calibration samples; rerun with "
                              "those, or choose another leank_train.out")

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check", action="store_true", help="only check that --paper resolves (prints its path)")
     parser.add_argument("--ci", action="store_true",
                         help="cells as mean ± 95%% bootstrap half-width, plus each row's paired Δ against its base")
-    parser.add_argument("--claims", action="store_true", help="check the paper's claims on the runs (verdicts)")
+    parser.add_argument("--claims", action="store_true", help="check the paper's claims on the runs (verdicts); with --at-bytes also "
+                             "SparK, ThinK, Mustafar and LeanK against each other at equal KV bytes")
     parser.add_argument("--metric", choices=METRICS, default="score",
                         help="the per-sample number in the task cells: the task score, or how far each cache moves "
                              "the model (answer_nll, kl_full, agree_full; runs only)")
@@ -194,6 +195,11 @@ def main(argv: list[str] | None = None) -> None:
         from spark_bench.report import claims
 
         verdicts = claims.check(samples, layout, args.resamples, args.seed)
+        if runs and args.at_bytes is not None:  # channel methods against each other at equal KV bytes
+            from spark_bench.report import bytes_claims
+
+            at = bytes_claims.check(predictions, fractions, args.resamples, args.seed)
+            verdicts = pd.concat([verdicts, at], ignore_index=True) if not verdicts.empty else at
         outputs["claims.md"], outputs["claims.csv"] = claims.to_markdown(verdicts), verdicts.to_csv(index=False)
         echo("The paper's claims on these runs:\n\n" + outputs["claims.md"])
     if args.out:

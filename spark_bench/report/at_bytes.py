@@ -32,6 +32,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from spark_bench.methods.channel.leank import label_ratio
 from spark_bench.methods.config import display, relevant_options, tell_apart
 from spark_bench.report import stats
 
@@ -48,9 +49,25 @@ def _family_label(method: dict) -> str:
 
 
 def _options(method: dict) -> dict:
-    """The options that matter to the method, without its knobs (``ratio``, ``budget``)."""
+    """The options that matter to the method, without its knobs (``ratio``, ``budget``; LeanK's mask file, whose
+    pruned fraction is its λ)."""
     keep = relevant_options(method) - set(KNOBS)
-    return {k: method.get(k) for k in sorted(keep) if k in method}
+    out = {k: method.get(k) for k in sorted(keep) if k in method}
+    if isinstance(out.get("leank"), dict):
+        out["leank"] = {k: v for k, v in out["leank"].items() if k != "mask"}
+    return out
+
+
+def knob_ratio(method: dict):
+    """The λ a config's curve runs along: its ``ratio``, or the pruned fraction of LeanK's mask file (the file's
+    name where it cannot be read here)."""
+    if not isinstance(method, dict):
+        return None
+    mask = (method.get("leank") or {}).get("mask") if isinstance(method.get("leank"), dict) else None
+    if mask and str(method.get("name", "")).split("+")[-1] == "leank":
+        text = label_ratio({"mask": mask})
+        return float(text) if text != "?" else str(mask)
+    return method.get("ratio")
 
 
 def families(preds: pd.DataFrame) -> pd.DataFrame:
@@ -65,7 +82,7 @@ def families(preds: pd.DataFrame) -> pd.DataFrame:
     frame = pd.DataFrame(rows)
     knob, label = {}, {}
     for key, part in frame.groupby("key", sort=False):
-        ratios = {repr(m.get("ratio")) for m in part.method}
+        ratios = {repr(knob_ratio(m)) for m in part.method}
         knob[key] = "ratio" if len(ratios) > 1 else "budget"
     keys = []
     for key, method in zip(frame.key, frame.method):
@@ -87,7 +104,8 @@ def families(preds: pd.DataFrame) -> pd.DataFrame:
         label[k] = text
     frame["family"] = [label[k] for k in frame.key]
     frame["knob"] = [knob[k.split("\t")[0]] for k in frame.key]
-    frame["point"] = [f"λ {m.get('ratio') or 0:g}" if kb == "ratio" else
+    frame["point"] = [f"λ {knob_ratio(m) or 0:g}" if kb == "ratio" and not isinstance(knob_ratio(m), str) else
+                      f"λ {knob_ratio(m)}" if kb == "ratio" else
                       (f"@{m.get('budget'):g}" if "budget" in relevant_options(m) else _family_label(m))
                       for m, kb in zip(frame.method, frame.knob)]
     return frame[["run", "config", "family", "knob", "point"]]

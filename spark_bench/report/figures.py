@@ -1,7 +1,7 @@
 """Figures of the paper's Fig. 5 from measured runs (matplotlib, PNG).
 
-* (a) score vs key pruning ratio λ for SparK, ThinK and unrecovered SparK (``recovery=none``), one eviction
-  method and budget;
+* (a) score vs key pruning ratio λ for SparK, ThinK, unrecovered SparK (``recovery=none``), Mustafar (its key
+  sparsity) and LeanK (its mask's pruned fraction), one eviction method and budget;
 * (c) score vs measured KV-cache bytes, one line per method family across its ratios or budgets
   (:func:`~spark_bench.report.at_bytes.families`: ``snapkv+spark`` at λ 0.5 / 0.8 one line, ``snapkv+think``
   another, ``spark`` alone another), each point labelled with its ratio or budget and drawn with its 95% interval;
@@ -71,8 +71,12 @@ def load_predictions(directories) -> pd.DataFrame:
 
 
 def _per_config(preds: pd.DataFrame) -> pd.DataFrame:
+    from spark_bench.report.at_bytes import knob_ratio
+
     preds = preds.assign(kl_full=pd.to_numeric(preds.kl_full, errors="coerce") if "kl_full" in preds
-                         else float("nan"))
+                         else float("nan"),
+                         ratio=[r if isinstance(r := knob_ratio(m), (int, float)) else float("nan")
+                                for m in preds.method])  # LeanK: the pruned fraction of its mask file
     task_means = preds.groupby(["config", "task"], sort=False).agg(
         score=("score", "mean"), kl_full=("kl_full", "mean"), name=("name", "first"), ratio=("ratio", "first"),
         recovery=("recovery", "first"),
@@ -95,7 +99,8 @@ def figure_ratio(preds: pd.DataFrame, path: Path, eviction: str = "snapkv") -> P
     base = rows[rows.name == eviction]
     series = {"SparK": (rows.name == f"{eviction}+spark") & (rows.recovery == "degenerate"),
               "ThinK": rows.name == f"{eviction}+think",
-              "unrecovered": (rows.name == f"{eviction}+spark") & (rows.recovery == "none")}
+              "unrecovered": (rows.name == f"{eviction}+spark") & (rows.recovery == "none"),
+              "Mustafar": rows.name == f"{eviction}+mustafar", "LeanK": rows.name == f"{eviction}+leank"}
     for label, mask in series.items():
         part = pd.concat([base.assign(ratio=0.0), rows[mask]]).sort_values("ratio")
         if len(part) > 1:
@@ -107,7 +112,7 @@ def figure_ratio(preds: pd.DataFrame, path: Path, eviction: str = "snapkv") -> P
     return save(fig, path)
 
 
-FAMILIES = ("full / eviction only", "ThinK", "SparK", "SparK, no recovery")
+FAMILIES = ("full / eviction only", "ThinK", "SparK", "SparK, no recovery", "Mustafar", "LeanK")
 
 
 def family(name: str, recovery) -> str:
@@ -118,7 +123,7 @@ def family(name: str, recovery) -> str:
         return "ThinK"
     if channel == "spark":
         return "SparK, no recovery" if recovery == "none" else "SparK"
-    return "full / eviction only"
+    return {"mustafar": "Mustafar", "leank": "LeanK"}.get(channel, "full / eviction only")
 
 
 def _scatter(preds: pd.DataFrame, path: Path, x: str, xlabel: str, title: str, y: str = "score",

@@ -10,7 +10,11 @@ output is padded (the caller masks the padding).
 
 Modes (the kernel header ``engine/kernels/spark_logits.cpp`` has the formulas): 0 constant fill (``zero``, ``none``,
 ``constant``; ThinK's pruned channels read as 0), 1 paper degenerate (``saliency=paper``), 2 official degenerate
-(signs + ``sqrt(μ/‖q‖)``), 3 dense (every channel kept: ThinK's recent tokens).
+(signs + ``sqrt(μ/‖q‖)``), 3 dense (every channel kept: ThinK's recent tokens, Mustafar's window).
+
+A store in two parts gives a head two segments, the second landing after the first's tokens: ThinK's structured
+store (its kept channels, then its dense recent tokens) and :class:`~.windowed.WindowedStore` (Mustafar's pruned
+tokens, an unstructured zero-fill store, then its dense window).
 
 Two kernels read these layouts (:mod:`.dispatch` picks by device): the C++ kernels on CPU tensors read the stacks'
 *parts* (the rows' own tensors) through part indices and offsets; the fused Triton decode on CUDA tensors reads the
@@ -27,6 +31,7 @@ import torch
 from spark_bench.storage.bits import pack_bits, tensor_bytes
 from spark_bench.storage.stores import DenseStore, StructuredKeyStore, UnstructuredStore, channel_index_dtype
 from spark_bench.storage.walk_layout import WALK_TABLE_BYTES, walk_table, walks
+from spark_bench.storage.windowed import WindowedStore
 
 # the C++ kernel's table: each array read from one of several parts (the rows' own tensors) at an offset in it
 PART_COLUMNS = ("qh", "out_off", "n_tokens", "t_kept", "kept_part", "kept_off", "mask_part", "mask_off", "mask_stride",
@@ -64,6 +69,9 @@ def store_blocker(store) -> str | None:
         return None if store.shape[-1] % 8 == 0 else f"head_dim {store.shape[-1]} is not a multiple of 8"
     if isinstance(store, StructuredKeyStore):
         return None if store.head_dim % 8 == 0 else f"head_dim {store.head_dim} is not a multiple of 8"
+    if isinstance(store, WindowedStore):  # its compact part's segments, then its dense window's
+        return store_blocker(store.old) if isinstance(store.old, UnstructuredStore) else \
+            f"a window after a {type(store.old).__name__} is not a compact key layout"
     if not isinstance(store, UnstructuredStore):
         return f"{type(store).__name__} is not a compact key store"
     if store.row_kept is None:
@@ -160,15 +168,25 @@ class SegmentStack:
                                 none, none, "dense")
                 scales.append(torch.ones(b * h, d, device=device))
             else:
+                windowed = isinstance(store, WindowedStore)
+                recent = store.recent if windowed else None
+                store = store.old if windowed else store
+                s = store.length
                 terms = store.recovery.kernel_terms()
                 t, p = store.row_kept, d - store.row_kept
                 k = part(self.kept_parts, store.kept)
                 m = part(self.mask_parts, store.mask_bits.reshape(-1, d // 8))
                 mu = part(self.mu_parts, terms.mu.to(store.kept.dtype).reshape(-1)) if terms.mu is not None else -1
                 sg = part(self.sign_parts, terms.sign_bits.reshape(-1)) if terms.sign_bits is not None else -1
+                if windowed:
+                    recent, recent_offsets = head_offsets(recent)
+                    k_recent = part(self.kept_parts, recent)
                 for i in range(b * h):
                     segment(qh + i, 0, s, t, (k, i * s * t), (m, i * s, 1), (mu, i * s) if mu >= 0 else none,
                             (sg, i * s * p) if sg >= 0 else none, terms.mode, terms.fill)
+                    if windowed:
+                        segment(qh + i, s, recent.shape[-2], d, (k_recent, recent_offsets[i]), no_mask, none, none,
+                                "dense")
                 scale = terms.aux_scale if terms.aux_scale is not None else torch.ones(b, h, d, device=device)
                 scales.append(scale.float().reshape(b * h, d))
             qh += b * h

@@ -46,8 +46,6 @@ and compile every specialisation for sm_80/sm_90 ahead of time (``tests/test_gpu
 
 from __future__ import annotations
 
-import re
-
 import triton
 import triton.language as tl
 
@@ -55,6 +53,7 @@ from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, SEG_COLS, WORK_CO
 from spark_bench.storage.triton_compact import _member_scores
 from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _prefetch, _split3
 from spark_bench.storage.triton_merge import _merge_kernel
+from spark_bench.storage.triton_versions import PARTIAL_WARPS, PREFETCH
 from spark_bench.storage.triton_walk import _walk_scores, _walk_tables
 from spark_bench.storage.walk_layout import head_floats
 
@@ -64,25 +63,6 @@ HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)
 WORK: tl.constexpr = tl.constexpr(WORK_COLS)
 BLOCK = {2: 32, 4: 16}  # tokens per step of the token loop by element size
 ROWS = 16       # query rows per program (the dot products' M)
-# the Triton this runs, (major, minor): the launch shape below is tuned for 3.9; torch 2.6 pins 3.2
-TRITON = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", triton.__version__).groups())
-# warps of the partials kernel by element size: bfloat16 (tensor-core dots) 4 warps at BLOCK 32 (≤ 248 registers
-# at D ≤ 128, 2 CTAs per SM, no spill; BLOCK 64 at 4 warps spills, at 8 warps issues ~7% more per byte); float32 (FMA
-# dots) 8 warps at BLOCK 16 (≤ 254 registers, no spill). A Triton before 3.9 allocates more registers to the bfloat16
-# kernel and spills at 4 warps (every member kind: 100 bytes on sm_90 under 3.2, 16 on sm_80 under 3.8; a suffix 500
-# under 3.2), none at 8 (docs/development.md#tested-versions). Measured on an H200 under 3.6 (results/bench/gpu/): 4
-# warps, spilling, run the partials kernel 1.4–1.9× faster than 8 (dense 27 rows × 7,950 tokens 449 vs 848 µs, the
-# SparK(0.8) 127.5K row 147 vs 206 µs): 4 from 3.6 on; 8 before it (3.2 spills the most; not measured on a GPU)
-PARTIAL_WARPS = {2: 4 if TRITON >= (3, 6) else 8, 4: 8}
-# what differs from the tuned kernels under this Triton (scripts/gpu/check.py names it; nothing is disabled)
-TRITON_NOTES = ([] if TRITON >= (3, 9) else [
-    "the bfloat16 partials kernel spills a few bytes at its 4 warps (measured faster than 8 under 3.6)"]
-    if TRITON >= (3, 6) else [
-    "the bfloat16 partials kernel launches 8 warps, not 4 (at 4 this Triton's register allocation spills)",
-    "no L2 prefetch of the next block (at 8 warps this Triton spills its registers)"])
-# the next block's values and keys asked of L2 while a block computes (``AHEAD``, triton_math._prefetch): from 3.6
-# on; before it the kernel runs at 8 warps, where Triton 3.2 spills the prefetches' registers (4–16 bytes)
-PREFETCH = TRITON >= (3, 6)
 NUM_WARPS = 8   # the merge of a suffix (16 query rows and more)
 NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does not act on it
 # ptxas given no register limit caps these kernels at 64/80/128 registers (3-4 or 2 CTAs per SM of 256 threads) and

@@ -6,10 +6,11 @@ Mustafar's official code (github dhjoo98/mustafar, ``models/llama_mustafar_Kt_Ma
 store of the first ``S − R`` tokens (an :class:`~.stores.UnstructuredStore` with a zero fill: the fused kernel's
 ``bare`` member kind for keys), and ``recent``, the last ``R`` tokens as they are ``(B, H, R, D)``.
 
-Nothing is rebuilt to answer :meth:`nbytes`: it is the compact part's bytes plus the recent tokens' bytes. The
-segment tables of :mod:`.segments` do not describe this two-part layout yet (``store_blocker`` names it), so a row
-holding one decodes on the per-row path, where :func:`~.dispatch.compact_logits` serves the compact part with the
-C++ kernel and the recent tokens with a plain product (see :func:`~.dispatch.compact_logits`).
+Nothing is rebuilt to answer :meth:`nbytes`: it is the compact part's bytes plus the recent tokens' bytes. As keys,
+the segment tables of :mod:`.segments` describe it as two segments per head (the compact part's, then a dense one
+for the window), so a Mustafar row stacks with the batch's others; a row on the per-row path (``decode_stack=false``,
+or values held this way) has :func:`~.dispatch.compact_logits` serve the compact part with the C++ kernel and the
+recent tokens with a plain product.
 """
 
 from __future__ import annotations
