@@ -92,7 +92,7 @@ def _check_checkpoint(path: Path, settings, stage1: bool = False) -> None:
     the checkpoint stage 2 starts from has finished a stage 1 made with these stage-1 settings."""
     from dataclasses import asdict
 
-    from spark_bench.leank.train import STAGE2_ONLY, load_checkpoint
+    from spark_bench.leank.train import load_checkpoint, stage1_refusal
 
     try:
         state = load_checkpoint(path)
@@ -101,16 +101,12 @@ def _check_checkpoint(path: Path, settings, stage1: bool = False) -> None:
         key = "leank_train.stage1" if stage1 else "leank_train.out"
         raise ConfigError(f"{key}: {path} is not a readable spark-bench-leank checkpoint "
                           f"({type(err).__name__}); remove it or choose another {key}") from None
-    differ = [f"{k}={theirs.get(k)!r}" for k, v in asdict(settings).items()
-              if theirs.get(k) != v and not (stage1 and k in STAGE2_ONLY)]
-    if stage1:
-        if differ:
-            raise ConfigError(f"leank_train.stage1: {path}'s stage 1 was made with {', '.join(differ)}; stage 2 "
-                              "starts only from a stage 1 with the same settings")
-        if state.get("stage1_scales") is None:
-            raise ConfigError(f"leank_train.stage1: {path} has not finished stage 1 (stage {state['stage']}, step "
-                              f"{state['step']}); let that run finish its stage 1 first")
+    if stage1:  # the samples and the model's shape are compared once they are loaded (Trainer.start_from)
+        refusal = stage1_refusal(path, state, {"settings": asdict(settings)})
+        if refusal:
+            raise ConfigError(refusal)
         return
+    differ = [f"{k}={theirs.get(k)!r}" for k, v in asdict(settings).items() if theirs.get(k) != v]
     if differ:
         raise ConfigError(f"leank_train.out: {path} was made with {', '.join(differ)}; rerun with those to resume, "
                           "or choose another leank_train.out")

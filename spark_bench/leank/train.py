@@ -153,6 +153,22 @@ def load_checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def stage1_refusal(path: Path, state: dict, ours: dict) -> str | None:
+    """Why stage 2 cannot start from the checkpoint ``state`` read from ``path`` (None: it can): its stage 1 is
+    unfinished, or made with other stage-1 settings (every key but :data:`STAGE2_ONLY`) or another model shape or
+    other calibration samples than ``ours`` (a fingerprint; only its keys are compared: ``{"settings": …}`` before
+    the model loads, the whole one after)."""
+    if state.get("stage1_scales") is None:
+        return (f"leank_train.stage1: {path} has not finished stage 1 (stage {state['stage']}, step {state['step']}); "
+                "let that run finish its stage 1 first")
+    theirs = json.loads(state["fingerprint"])
+    differ = [f"{k}={v!r}" for k, v in theirs["settings"].items()
+              if k not in STAGE2_ONLY and ours["settings"].get(k) != v]
+    differ += [f"another {k}" for k in ours if k != "settings" and theirs.get(k) != ours[k]]
+    return (f"leank_train.stage1: {path}'s stage 1 was made with {', '.join(differ)}; stage 2 starts only from a "
+            "stage 1 with the same settings and samples") if differ else None
+
+
 def lr_factor(total: int):
     """LeanK's schedule (``LambdaLR``): ``min(1, max((t+1)/(N//5), 0.1), max((N−t)/(N//5), 0.1))``; ``N//5`` is at
     least 1 here (LeanK's divides by zero below 5 steps)."""
@@ -199,25 +215,14 @@ class Trainer:
                     "history": json.dumps(self.history)}, tmp)
         os.replace(tmp, path)
 
-    def _stage1_fingerprint(self, fingerprint: dict) -> dict:
-        return {**fingerprint, "settings": {k: v for k, v in fingerprint["settings"].items() if k not in STAGE2_ONLY}}
-
     def start_from(self, checkpoint: Path) -> None:
         """Begin at stage 2, step 0, from the stage 1 another run finished (its ``checkpoint.pt``): ValueError when
-        its stage 1 is unfinished or was made with other stage-1 settings, model shape or calibration samples."""
+        its stage 1 is unfinished or was made with other stage-1 settings, model shape or calibration samples
+        (:func:`stage1_refusal`)."""
         state = load_checkpoint(checkpoint)
-        theirs = self._stage1_fingerprint(json.loads(state["fingerprint"]))
-        ours = self._stage1_fingerprint(self._fingerprint())
-        if state.get("stage1_scales") is None:
-            raise ValueError(f"leank_train.stage1: {checkpoint} has not finished stage 1 (stage {state['stage']}, "
-                             f"step {state['step']}); let that run finish its stage 1 first")
-        if theirs != ours:
-            differ = [k for k in ours if theirs.get(k) != ours[k]]
-            if "settings" in differ:
-                differ = [f"leank_train.{k}={v!r}" for k, v in theirs["settings"].items()
-                          if ours["settings"].get(k) != v]
-            raise ValueError(f"leank_train.stage1: {checkpoint}'s stage 1 was made with other "
-                             f"{', '.join(differ)}; stage 2 starts only from the same stage 1")
+        refusal = stage1_refusal(checkpoint, state, self._fingerprint())
+        if refusal:
+            raise ValueError(refusal)
         self.stage, self.step = 2, 0
         self.stage1_scales = state["stage1_scales"]
         with torch.no_grad():

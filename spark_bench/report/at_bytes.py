@@ -104,11 +104,16 @@ def families(preds: pd.DataFrame) -> pd.DataFrame:
         label[k] = text
     frame["family"] = [label[k] for k in frame.key]
     frame["knob"] = [knob[k.split("\t")[0]] for k in frame.key]
-    frame["point"] = [f"λ {knob_ratio(m) or 0:g}" if kb == "ratio" and not isinstance(knob_ratio(m), str) else
-                      f"λ {knob_ratio(m)}" if kb == "ratio" else
-                      (f"@{m.get('budget'):g}" if "budget" in relevant_options(m) else _family_label(m))
-                      for m, kb in zip(frame.method, frame.knob)]
+    frame["point"] = [_point(m, kb) for m, kb in zip(frame.method, frame.knob)]
     return frame[["run", "config", "family", "knob", "point"]]
+
+
+def _point(method: dict, knob: str) -> str:
+    """A config's label on its family's curve: ``λ 0.8`` along the ratio, ``@0.5`` along the budget."""
+    if knob == "ratio":
+        lam = knob_ratio(method)
+        return f"λ {lam}" if isinstance(lam, str) else f"λ {lam or 0:g}"
+    return f"@{method.get('budget'):g}" if "budget" in relevant_options(method) else _family_label(method)
 
 
 def _average(values: pd.DataFrame, column: str, resamples: int, seed: int) -> stats.Interval | None:
