@@ -159,7 +159,7 @@ def test_dispatch_decision_by_device_and_store():
     assert compact_backend(torch.device("meta")).startswith("no: no compact kernel for meta tensors")
     store = _spark_store()
     assert dispatch.kernel_blocker(store, cpu) is None
-    assert "different numbers of channels" in dispatch.kernel_blocker(_spark_store(variant="top_p"), cpu)
+    assert dispatch.kernel_blocker(_spark_store(variant="top_p"), cpu) is None  # (ragged: granule starts)
     assert "draws a random score" in dispatch.kernel_blocker(_spark_store(recovery="gaussian"), cpu)
 
 

@@ -20,7 +20,7 @@ from spark_bench.engine.cache import StoredLayer, stackable
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.channel.mustafar import prune_store
 from spark_bench.storage import dispatch
-from spark_bench.storage.segments import SegmentStack, store_blocker
+from spark_bench.storage.segments import PART_COLUMNS, SegmentStack, store_blocker
 from spark_bench.storage.sparse_values import ValueSegments, sparse_weighted_sum
 from spark_bench.storage.stores import DenseStore, UnstructuredStore
 from spark_bench.storage.windowed import WindowedStore
@@ -153,12 +153,13 @@ def test_keys_are_the_bare_kind_and_sparse_values_take_a_named_path():
     bare = prune_store(keys, 0.5, window=0)  # no window: one compact key store, pruned entries 0
     assert store_blocker(bare) is None
     stack = SegmentStack([bare])
-    assert {(r[-1], f) for r, f in zip(stack._rows, stack._fills)} == {(0, 0.0)}  # mode constant, fill 0: "bare"
+    mode = PART_COLUMNS.index("mode")
+    assert {(r[mode], f) for r, f in zip(stack._rows, stack._fills)} == {(0, 0.0)}  # mode constant, fill 0: "bare"
     layer = StoredLayer(bare, DenseStore(values))
     assert stackable(layer, "cpp") is None
     windowed = StoredLayer(prune_store(keys, 0.5), prune_store(values, 0.5))
     assert store_blocker(windowed.key_store) is None  # its pruned tokens' segments, then its window's (dense)
-    modes = [r[-1] for r in SegmentStack([windowed.key_store])._rows]
+    modes = [r[mode] for r in SegmentStack([windowed.key_store])._rows]
     assert modes == [0, 3] * 2  # per head: the bare segment (constant fill 0), then the dense window
     assert stackable(StoredLayer(windowed.key_store, DenseStore(values)), "cpp") is None
     sparse = StoredLayer(bare, prune_store(values, 0.5))

@@ -37,8 +37,14 @@ KINDS = {
     "think_window": lambda: ThinK(ratio=0.5, window_size=32),
     "think_no_window": lambda: ThinK(ratio=0.8, window_size=32, keep_window=False),
     "mustafar_window": lambda: _UntiedMustafar(),  # its pruned tokens (zero fill), then its dense window of 32
+    # ragged stores (tokens keep different numbers of channels: granule starts): Mustafar's rule with its ties kept
+    # (keys on a coarse grid: many tied magnitudes), SparK-p with the official recovery (signs) and with zero fill
+    "mustafar_tied": lambda: _TiedMustafar(),
+    "spark_p_official": lambda: SparK(ratio=0.5, variant="top_p", top_p=0.9),
+    "spark_p_zero": lambda: SparK(ratio=0.5, variant="top_p", top_p=0.9, recovery="zero"),
     "dense": None,
 }
+RAGGED = ["mustafar_tied", "spark_p_official", "spark_p_zero"]
 
 
 class _UntiedMustafar:
@@ -51,6 +57,16 @@ class _UntiedMustafar:
         old = prune_store(keys.float().abs() + nudge, 0.5).old
         return WindowedStore(UnstructuredStore.from_mask(keys[..., :old.length, :], old.kept_mask(), ConstantFill(0.0)),
                              keys[..., old.length:, :].clone())
+
+
+class _TiedMustafar:
+    """Mustafar(0.5) with its window of 32 and the official rule's ties kept: the keys rounded to a grid of 0.5
+    first, so that many tokens keep more channels than the fewest (a ragged store)."""
+
+    def compress_keys(self, keys, layer, layer_idx=0):
+        store = prune_store((keys.float() * 2).round().div(2).to(keys.dtype), 0.5)
+        assert store.old.row_kept is None  # (ties: tokens keep different counts)
+        return store
 
 
 def _stores(dtype, head_dim, group, kinds, seed=0, device="cpu", length=None):
@@ -102,6 +118,8 @@ def test_cpp_segment_stack_equals_reference(head_dim, group, dtype):
     """All kinds in one stack and one call, rows of different lengths; tolerance 1e-4 relative (float32
     accumulation vs float64)."""
     stores = _stores(dtype, head_dim, group, ALL)
+    assert all(stores[ALL.index(k)].old.row_kept is None if k == "mustafar_tied" else
+               stores[ALL.index(k)].row_kept is None for k in RAGGED)  # (ragged: granule starts)
     stack = SegmentStack(stores)
     queries = torch.randn(len(stores), 2, group, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     _check_stack(dispatch.stack_logits(stack, queries), stores, queries, 1e-4)
@@ -112,7 +130,8 @@ def test_a_segment_too_long_for_32_bit_offsets_is_refused():
     (here 2²⁴ tokens × 128 channels) in one line, before any address is read."""
     from types import SimpleNamespace
 
-    keys = SimpleNamespace(head_dim=128, _rows=[(0, 0, 1 << 24, 26, 0, 0, 0, 0, 1, -1, 0, -1, 0, 0)], _fills=[0.0],
+    keys = SimpleNamespace(head_dim=128, _rows=[(0, 0, 1 << 24, 26, 0, 0, 0, 0, 1, -1, 0, -1, 0, 0, -1, 0)],
+                           _fills=[0.0],
                            _chans=[(-1, 0)])
     with pytest.raises(ValueError, match="32-bit"):
         FusedTables.layout(keys, None, [None], 4)
@@ -211,7 +230,7 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
     kernel is specialised to the kinds the work items hold (``tables.kinds``: a bit each, the others' loops absent)."""
     kinds = ["spark_official", "spark_paper", "spark_zero", "spark_fork_pool0", "think_window", "dense"]
     if head_dim == 64:
-        kinds += ["spark_none", "spark_constant", "think_no_window", "spark_paper_constant", "mustafar_window"]
+        kinds += ["spark_none", "spark_constant", "think_no_window", "spark_paper_constant", "mustafar_window"] + RAGGED
     kinds = only or kinds
     stores = _stores(dtype, head_dim, group, kinds, seed=3, device=DEVICE)
     g = torch.Generator().manual_seed(4)
@@ -231,6 +250,8 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
     queries = torch.randn(n, 2, group * q_len, head_dim, generator=g).to(DEVICE)
     members = triton_kernels.launch_shape(group * q_len)[1]
     tables = FusedTables.build(keys_stack, value_stack, per_head, members, chunk)
+    assert tables.ragged == any(k in RAGGED for k in kinds)  # (the kernel's granule starts compiled in)
+    assert tables.walk_tab is None or "spark_p_official" not in kinds  # (a ragged signed segment is not walked)
     work = tables.work.view(-1, WORK_COLS)
     assert work[:, 1].max() > 1 or members == 1  # rows sharing values are served by one work item (read once)
     runs = torch.diff(work[:, 6:10], dim=1, prepend=torch.zeros_like(work[:, :1]),

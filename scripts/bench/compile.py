@@ -4,7 +4,8 @@ aligned pointers marked; :func:`spark_bench.storage.gpu_compile.compile_launch`)
 address multiplies, compile seconds, for bf16 and fp32, a decode step and a 16-token suffix →
 results/bench/compile.json. The partials kernel is specialised to the member kinds its tables hold (``KINDS``): every
 launch compiles with all of them (a batch of mixed configs), and a decode step's also with each set one method's rows
-alone launch (:data:`ALONE`)."""
+alone launch (:data:`ALONE`), and with ``RAGGED`` (a store whose tokens keep different counts: every kind, and
+Mustafar's bare keys alone)."""
 
 import json
 import sys
@@ -34,11 +35,14 @@ def main(out: str = "results/bench/compile.json") -> None:
                 every = launches(head_dim, group, itemsize)
                 alone = [replace(x, kinds=k) for x in every if x.kernel == "partials" and x.q_len == 1
                          for k in ALONE.values()]
-                for launch in every + alone:
+                ragged = [replace(x, ragged=True) for x in every if x.kernel == "partials"] + [
+                    replace(x, kinds=ALONE["bare"], ragged=True) for x in every
+                    if x.kernel == "partials" and x.q_len == 1]  # (Mustafar's tied stores, SparK-p/-g)
+                for launch in every + alone + ragged:
                     row = asdict(compile_launch(launch, arch))
                     row.pop("sass")
                     row.update(head_dim=head_dim, group=group, q_len=launch.q_len, dtype={2: "bf16", 4: "fp32"}[
-                        itemsize], kinds=launch.kinds)
+                        itemsize], kinds=launch.kinds, ragged=launch.ragged)
                     rows.append(row)
                     print(row, flush=True)
     Path(out).parent.mkdir(parents=True, exist_ok=True)

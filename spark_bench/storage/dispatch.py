@@ -148,7 +148,7 @@ def stack_logits(stack: SegmentStack, queries: torch.Tensor, tail: torch.Tensor 
     kernel = load_kernel()
     chunks = [kernel.spark_segments(q[:, k:k + MAX_GROUP].contiguous(), stack.aux_scale, stack.table, stack.fills,
                                     stack.kept_parts, stack.mask_parts, stack.mu_parts, stack.sign_parts,
-                                    stack.s_max, tail_flat, tail_len, q_len, g0 + k)
+                                    stack.start_parts, stack.s_max, tail_flat, tail_len, q_len, g0 + k)
               for k in range(0, g, MAX_GROUP)]  # query rows per call: the kernel's bound
     out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
     return out.view(n, h, g, stack.s_max + tail_len)

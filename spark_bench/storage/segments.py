@@ -35,11 +35,15 @@ from spark_bench.storage.windowed import WindowedStore
 
 # the C++ kernel's table: each array read from one of several parts (the rows' own tensors) at an offset in it
 PART_COLUMNS = ("qh", "out_off", "n_tokens", "t_kept", "kept_part", "kept_off", "mask_part", "mask_off", "mask_stride",
-                "mu_part", "mu_off", "sign_part", "sign_off", "mode")
+                "mu_part", "mu_off", "sign_part", "sign_off", "mode", "start_part", "start_off")
+# a ragged segment (tokens keeping different numbers of channels: t_kept −1) has a table of where each GRANULE
+# tokens' kept entries start; both kernels find a token's from its granule's start and the popcounts of the
+# granule's tokens before it (the kernels' token blocks start on granules)
+GRANULE = 16
 MODES = {"constant": 0, "aligned": 1, "signed": 2, "dense": 3}
 # the fused kernel's tables (FusedTables), their row widths and columns
 SEG_COLS = 11   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill,
-#                 chan_addr (a structured segment's kept channels, one index each)
+#                 chan_addr (a structured segment's kept channels, one index each; a ragged one's granule starts)
 HEAD_COLS = 7   # seg_a, seg_b, split, valid_addr, slot_base, n_slots, n_tokens
 WORK_COLS = 10  # list_start, count, t_start, t_end, val_addr, chunk, then the ends of its kinds' runs of members:
 #                 n_dense, n_struct, n_bare, n_plain (the rest, to count, are signed)
@@ -74,12 +78,21 @@ def store_blocker(store) -> str | None:
             f"a window after a {type(store.old).__name__} is not a compact key layout"
     if not isinstance(store, UnstructuredStore):
         return f"{type(store).__name__} is not a compact key store"
-    if store.row_kept is None:
-        return "tokens keep different numbers of channels (SparK-p / SparK-g)"
     if store.head_dim % 8:
         return f"head_dim {store.head_dim} is not a multiple of 8"
     terms = store.recovery.kernel_terms()
     return terms if isinstance(terms, str) else None
+
+
+def granule_starts(store: UnstructuredStore) -> tuple[torch.Tensor, list[int]]:
+    """A ragged store's tables (tokens keeping different numbers of channels): ``(B·H, ceil(S / GRANULE))`` int32,
+    where each :data:`GRANULE` tokens' kept entries start relative to their head's first, and each head's first
+    entry in ``kept``. Built once per stack from the masks' popcounts (a decode reads one start per token block)."""
+    b, h, s, d = store.shape
+    counts = store.kept_mask().sum(-1, dtype=torch.int64).reshape(b * h, s)
+    within = counts.cumsum(-1) - counts  # entries before each token, in its head
+    heads = (counts.sum(-1).cumsum(0) - counts.sum(-1)).tolist()
+    return within[:, ::GRANULE].to(torch.int32).contiguous(), heads
 
 
 def _device_of(store) -> torch.device:
@@ -114,18 +127,20 @@ class SegmentStack:
         d = self.head_dim
         self.kept_parts, self.mask_parts, self.mu_parts, self.sign_parts = [], [], [], []
         self.chan_parts, self._chans = [], []  # a structured segment's kept channels (the fused kernel's gather)
+        self.start_parts, self._starts = [], []  # a ragged segment's granule starts (int32; (part, offset))
         rows, fills, scales, own, qh = [], [], [], [], 0
 
         def part(parts: list, tensor: torch.Tensor) -> int:
             parts.append(tensor)
             return len(parts) - 1
 
-        def segment(qh, out_off, n, t, kept, mask, mu, sign, mode, fill=0.0, chan=(-1, 0)):
-            """``kept``, ``mu``, ``sign``, ``chan``: (part, offset); ``mask``: (part, offset, stride); absent:
-            (-1, 0[, 0])."""
-            rows.append((qh, out_off, n, t, *kept, *mask, *mu, *sign, MODES[mode]))
+        def segment(qh, out_off, n, t, kept, mask, mu, sign, mode, fill=0.0, chan=(-1, 0), starts=(-1, 0)):
+            """``kept``, ``mu``, ``sign``, ``chan``, ``starts``: (part, offset); ``mask``: (part, offset, stride);
+            absent: (-1, 0[, 0])."""
+            rows.append((qh, out_off, n, t, *kept, *mask, *mu, *sign, MODES[mode], *starts))
             fills.append(fill)
             self._chans.append(chan)
+            self._starts.append(starts)
 
         def head_offsets(x: torch.Tensor):
             """``x (B, H, S, D)`` as a part read in place — a view, e.g. a prompt prefix of the prefill's keys, as
@@ -173,8 +188,13 @@ class SegmentStack:
                 store = store.old if windowed else store
                 s = store.length
                 terms = store.recovery.kernel_terms()
-                t, p = store.row_kept, d - store.row_kept
+                t, p = store.row_kept, d - (store.row_kept or 0)
                 k = part(self.kept_parts, store.kept)
+                if t is None:  # ragged: each head's entries start at its tokens' counts so far, per granule
+                    starts_table, heads_at = granule_starts(store)
+                    own.append(starts_table)
+                    st = part(self.start_parts, starts_table)
+                    t = -1
                 m = part(self.mask_parts, store.mask_bits.reshape(-1, d // 8))
                 mu = part(self.mu_parts, terms.mu.to(store.kept.dtype).reshape(-1)) if terms.mu is not None else -1
                 sg = part(self.sign_parts, terms.sign_bits.reshape(-1)) if terms.sign_bits is not None else -1
@@ -182,8 +202,12 @@ class SegmentStack:
                     recent, recent_offsets = head_offsets(recent)
                     k_recent = part(self.kept_parts, recent)
                 for i in range(b * h):
-                    segment(qh + i, 0, s, t, (k, i * s * t), (m, i * s, 1), (mu, i * s) if mu >= 0 else none,
-                            (sg, i * s * p) if sg >= 0 else none, terms.mode, terms.fill)
+                    if t < 0:  # the head's entries from its first; its granule starts relative to them
+                        at, signs_at, starts = heads_at[i], i * s * d - heads_at[i], (st, i * starts_table.shape[1])
+                    else:
+                        at, signs_at, starts = i * s * t, i * s * p, none
+                    segment(qh + i, 0, s, t, (k, at), (m, i * s, 1), (mu, i * s) if mu >= 0 else none,
+                            (sg, signs_at) if sg >= 0 else none, terms.mode, terms.fill, starts=starts)
                     if windowed:
                         segment(qh + i, s, recent.shape[-2], d, (k_recent, recent_offsets[i]), no_mask, none, none,
                                 "dense")
@@ -194,7 +218,7 @@ class SegmentStack:
         self.dtype = first.dtype
         self.device = device
         self.aux_scale = _join(scales, None).contiguous()
-        self._own = own  # tensors the stack made (ThinK's per-head channel masks)
+        self._own = own  # tensors the stack made (ThinK's per-head channel masks, ragged stores' granule starts)
         self._set_rows(rows, fills)
 
     def _set_rows(self, rows: list[tuple], fills: list[float]) -> None:
@@ -290,6 +314,7 @@ class FusedTables:
     # the signed walk's constant table (storage/triton_walk.py: official-recovery keys at a decode step, head_dim a
     # multiple of 32 up to 128, masks 4-byte aligned; a slice of ``packed``); None where the walk does not apply
     walk_tab: torch.Tensor | None = None
+    ragged: bool = False  # a segment's tokens keep different numbers of channels (granule starts: the kernel's RAGGED)
 
     @staticmethod
     def chunk_of(n: int, block: int = 16) -> int:
@@ -311,11 +336,11 @@ class FusedTables:
     @classmethod
     def view(cls, packed: torch.Tensor, layout: tuple) -> "FusedTables":
         """The tables over ``packed`` (the device copy of :meth:`layout`'s list, or a slice of a larger upload)."""
-        a, b, c, slots, n_work, members, aligned, width, pairs, kinds, walk_at = layout
+        a, b, c, slots, n_work, members, aligned, width, pairs, kinds, walk_at, ragged = layout
         lists = packed[a + b + c:walk_at if walk_at >= 0 else None]
         walk_tab = packed[walk_at:walk_at + WALK_TABLE_BYTES // 8] if walk_at >= 0 else None
         return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], lists, slots, n_work,
-                   members, aligned, width, pairs, kinds, walk_tab)
+                   members, aligned, width, pairs, kinds, walk_tab, ragged)
 
     @classmethod
     def layout(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
@@ -329,7 +354,7 @@ class FusedTables:
         d8 = keys.head_dim // 8
         widest = 0  # the widest structured segment (the kernel's TK)
         for row, fill, (cp, co) in zip(keys._rows, keys._fills, keys._chans):
-            qh, out_off, n, t, kp, ko, mp, mo, ms, up, uo, sp, so, mode = row
+            qh, out_off, n, t, kp, ko, mp, mo, ms, up, uo, sp, so, mode, gp, go = row
             if n * keys.head_dim >= 1 << 31:
                 raise ValueError(f"a key segment of {n} tokens × {keys.head_dim} channels: the fused decode's offsets "
                                  "inside a segment are 32-bit (at most 2³¹ entries)")
@@ -338,7 +363,8 @@ class FusedTables:
                              _address(keys.mu_parts[up], uo) if up >= 0 else 0,
                              keys.sign_parts[sp].data_ptr() if sp >= 0 else 0, so if sp >= 0 else 0, mode,
                              struct.unpack("<i", struct.pack("<f", fill))[0],
-                             _address(keys.chan_parts[cp], co) if cp >= 0 else 0])
+                             _address(keys.chan_parts[cp], co) if cp >= 0 else
+                             _address(keys.start_parts[gp], go) if gp >= 0 else 0])
             widest = max(widest, t if cp >= 0 else 0)
             if first[qh] < 0:
                 first[qh] = len(seg_rows) - 1
@@ -403,16 +429,17 @@ class FusedTables:
         d = keys.head_dim
         walk_at = -1
         if present & 1 << KINDS.index("signed") and walks(d) and all(
-                r[3] % 4 == 0 for r in seg_rows if r[8] == MODES["signed"]):
+                r[3] % 4 == 0 and r[1] >= 0 for r in seg_rows if r[8] == MODES["signed"]):  # (fixed T: walked)
             walk_at = len(flat)
             flat += list(struct.unpack(f"<{WALK_TABLE_BYTES // 8}q", walk_table()))
         rows = (keys.head_dim * keys.dtype.itemsize) % 16 == 0
         aligned = rows and all(r[4] % 16 == 0 for r in work) and all(r[2] % 16 == 0 for r in seg_rows if r[8] == 3)
         # the structured loop's width (TK), 0 when no work item has structured keys (the kernel then has no such loop)
         width = max(32, 1 << (widest - 1).bit_length()) if widest and present & 2 else 0
-        pairs = all(r[1] % 2 == 0 and r[2] % 4 == 0 for r in seg_rows if r[10])  # (structured segments)
+        pairs = all(r[1] % 2 == 0 and r[2] % 4 == 0 for r in seg_rows if r[10] and r[1] > 0)  # (structured)
+        ragged = any(r[1] < 0 for r in seg_rows)  # the kernel's RAGGED: a token's entries from its granule's start
         return flat, (SEG_COLS * len(seg_rows), HEAD_COLS * n_heads, WORK_COLS * len(work), slots, len(work), members,
-                      aligned, width, pairs, present, walk_at)
+                      aligned, width, pairs, present, walk_at, ragged)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from spark_bench.storage.segments import GRANULE as GRANULE_COLS
 from spark_bench.storage.segments import HEAD_COLS, SEG_COLS
 from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _popc, _sqrt_rn
 
 SEG: tl.constexpr = tl.constexpr(SEG_COLS)  # (the tables' row widths)
 HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)
+GRANULE: tl.constexpr = tl.constexpr(GRANULE_COLS)  # tokens per entry of a ragged segment's start table
 
 
 @triton.jit
@@ -30,7 +32,7 @@ def _segment(seg_ptr, s):
 def _keys(out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill, b_kept,
           b_off, split, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
           BLOCK_T: tl.constexpr, SIGNS: tl.constexpr = True, RECOVER: tl.constexpr = True,
-          SECOND: tl.constexpr = False):
+          SECOND: tl.constexpr = False, RAGGED: tl.constexpr = False, starts_addr=0):
     """The keys ``(BLOCK, D_PAD)`` of one query head at tokens ``t`` as two parts: the kept entries at their channels
     (0 elsewhere, the stores' dtype) and, per token, the recovery scale (``f``, ``μ_t`` or ``sqrt(μ_t)``) with the
     pruned entries' signs ``S`` (±1 with signs, 1 without, 0 at kept entries; bfloat16, exact): the rebuilt key is
@@ -43,7 +45,12 @@ def _keys(out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr
 
     A channel's rank among the token's kept entries comes from the mask read as 32-bit words: ``x = word << (31 − c
     mod 32)`` holds the word's bits up to ``c`` (its top bit: ``c`` kept), so ``rank + kept = popc(x) +`` the kept
-    channels of the words before (``POPC``, no scan over the channels)."""
+    channels of the words before (``POPC``, no scan over the channels).
+
+    ``RAGGED`` (a launch holding a segment whose tokens keep different numbers of channels, ``t_kept`` −1: Mustafar's
+    ties, SparK-p/-g): such a token's kept row starts at its block's granule start (one int32 at ``starts_addr``,
+    :func:`~spark_bench.storage.segments.granule_starts`) plus the kept counts of the block's tokens before it (a
+    cumulative sum of the mask words' popcounts, already in registers): no load waits on another."""
     fill = fill.to(tl.int32).to(tl.float32, bitcast=True)
     t_kept = t_kept.to(tl.int32)
     local = (t - out_off).to(tl.int32)  # the token's index inside its (first) segment (offsets in it: 32-bit)
@@ -76,11 +83,24 @@ def _keys(out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr
     kept = keep != 0
     inword = _popc(x)  # kept channels of c's word up to c
     upto = below + inword  # kept channels up to c: rank + kept
+    if RAGGED:  # each token's first kept entry: its granule's start + the block's tokens before it
+        total = tl.sum(counts, axis=1)
+        ragged = t_kept < 0
+        at_start = tl.load(starts_addr.to(tl.pointer_type(tl.int32), bitcast=True) + tl.min(local, axis=0) // GRANULE,
+                           mask=ragged, other=0)
+        entry = tl.where(ragged, at_start + tl.cumsum(total, axis=0) - total, local * t_kept)
     # the token's kept row, one entry before it (indexed by rank + 1 where kept)
     if SECOND:
-        rows = tl.where(first, kept_addr + (local - 1).to(tl.int64) * t_kept * ESIZE + (t_kept - 1) * ESIZE,
-                        b_kept + (t.to(tl.int64) - b_off) * (D * ESIZE) - ESIZE)
+        if RAGGED:
+            rows = tl.where(first, kept_addr + (entry - 1).to(tl.int64) * ESIZE,
+                            b_kept + (t.to(tl.int64) - b_off) * (D * ESIZE) - ESIZE)
+        else:
+            rows = tl.where(first, kept_addr + (local - 1).to(tl.int64) * t_kept * ESIZE + (t_kept - 1) * ESIZE,
+                            b_kept + (t.to(tl.int64) - b_off) * (D * ESIZE) - ESIZE)
         k = tl.load(rows.to(tl.pointer_type(ELEM), bitcast=True)[:, None] + upto, mask=both & kept, other=0.0)
+    elif RAGGED:
+        rows = kept_addr.to(tl.pointer_type(ELEM), bitcast=True) + (entry - 1)
+        k = tl.load(rows[:, None] + upto, mask=both & kept, other=0.0)
     else:
         rows = kept_addr.to(tl.pointer_type(ELEM), bitcast=True) + (local * t_kept - 1)
         k = tl.load(rows[:, None] + upto, mask=both & kept, other=0.0)
@@ -97,7 +117,10 @@ def _keys(out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr
         # the token's pruned signs are consecutive bits from ``bits`` (pruned-rank order); word w's pruned channels'
         # from ``bits + 32w − before_w``: read as one 32-bit window per word (two aligned words, each loaded only
         # where it holds one of them), so a channel's sign is bit ``c mod 32 − popc(x)`` of its word's window
-        bits = sign_bitoff + (local * (D - t_kept)).to(tl.int64) + (sign_addr & 3) * 8  # (4-byte aligned base)
+        if RAGGED:  # the pruned entries of the tokens before
+            bits = sign_bitoff + (local * D - entry).to(tl.int64) + (sign_addr & 3) * 8
+        else:
+            bits = sign_bitoff + (local * (D - t_kept)).to(tl.int64) + (sign_addr & 3) * 8  # (4-byte aligned base)
         base = sign_addr - (sign_addr & 3)
         start = bits[:, None] + (wi * 32)[None, :] - before
         n = tl.minimum(tl.maximum(D - wi * 32, 0), 32)[None, :] - counts  # pruned channels of word w
@@ -121,7 +144,8 @@ def _keys(out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr
 @triton.jit
 def _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c,
                    ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                   BLOCK_T: tl.constexpr, SIGNS: tl.constexpr, RECOVER: tl.constexpr = True):
+                   BLOCK_T: tl.constexpr, SIGNS: tl.constexpr, RECOVER: tl.constexpr = True,
+                   RAGGED: tl.constexpr = False):
     """Member ``m``'s logits from its compact keys (AdaKV validity applied) into its rows of ``s``. bfloat16 stores
     (``q1 … q3``, ``qa1 … qa3``: the queries' and ``q ∘ a``'s bfloat16 splits, :func:`_split3`; unused for float32
     stores): ``q · k̃ = q · k + scale · (q ∘ a) · S`` on the tensor cores (the kept entries and ``S`` are exact in
@@ -132,9 +156,12 @@ def _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, 
     b = seg_ptr + tl.load(hrow + 1) * SEG  # (a second segment is a run of dense keys: FusedTables.layout)
     out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill = _segment(
         seg_ptr, tl.load(hrow))
+    starts_addr = 0
+    if RAGGED:  # (a ragged segment's granule starts)
+        starts_addr = tl.load(seg_ptr + tl.load(hrow) * SEG + 10)
     k, scale, sign = _keys(out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode,
                            fill, tl.load(b + 2), tl.load(b), tl.load(hrow + 2), t, live, c, ELEM, ESIZE, D, D_PAD,
-                           BLOCK_T, SIGNS, RECOVER, not RECOVER)
+                           BLOCK_T, SIGNS, RECOVER, not RECOVER, RAGGED, starts_addr)
     if ELEM == tl.bfloat16:
         init = tl.zeros((q.shape[0], BLOCK_T), tl.float32)
         if RECOVER:

@@ -96,7 +96,8 @@ def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, q
           head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr,
           ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROWS_: tl.constexpr,
           BLOCK_: tl.constexpr, VALIGN: tl.constexpr, TK: tl.constexpr, PAIRS: tl.constexpr, MASKED: tl.constexpr,
-          KINDS: tl.constexpr, RPM: tl.constexpr, WALK: tl.constexpr, AHEAD: tl.constexpr):
+          KINDS: tl.constexpr, RPM: tl.constexpr, WALK: tl.constexpr, AHEAD: tl.constexpr,
+          RAGGED: tl.constexpr = False):
     """One block of ``BLOCK_`` tokens from ``t0``: its values ``v`` (loaded by the caller, a block ahead), every member's logits (one loop per kind, in the
     order :class:`~spark_bench.storage.segments.FusedTables` sorts them; a kind's loop only where ``KINDS`` has its
     bit), the online softmax. Without ``MASKED`` (a whole block) nothing is masked and the values and dense keys are
@@ -155,11 +156,11 @@ def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, q
     if KINDS & 4:
         for m in range(n_struct, n_bare):  # compact keys (or AdaKV validity), pruned entries 0
             s = _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live,
-                               c, ELEM, ESIZE, D, D_PAD, BLOCK_, False, False)
+                               c, ELEM, ESIZE, D, D_PAD, BLOCK_, False, False, RAGGED)
     if KINDS & 8:
         for m in range(n_bare, n_plain):  # compact keys with a recovery, no signs
             s = _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live,
-                               c, ELEM, ESIZE, D, D_PAD, BLOCK_, False)
+                               c, ELEM, ESIZE, D, D_PAD, BLOCK_, False, True, RAGGED)
     if KINDS & 16:
         for m in range(n_plain, count):  # compact keys with signs (official recovery)
             if WALK:  # (a decode step: each token's kept entries walked where they are stored)
@@ -167,7 +168,7 @@ def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, q
                                  BLOCK_, RPM, ROWS_, ELEM, ESIZE, AHEAD and not MASKED)
             else:
                 s = _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t,
-                                   live, c, ELEM, ESIZE, D, D_PAD, BLOCK_, True)
+                                   live, c, ELEM, ESIZE, D, D_PAD, BLOCK_, True, True, RAGGED)
     return _online(m_i, l_i, acc, s, v)
 
 
@@ -177,7 +178,8 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
                      walk_ptr, tab_ptr, n_rows, q_stride, scale, n_work, advance, D: tl.constexpr, D_PAD: tl.constexpr,
                      RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr,
                      VALIGN: tl.constexpr = False, TK: tl.constexpr = 0, PAIRS: tl.constexpr = False,
-                     KINDS: tl.constexpr = ALL_KINDS, WALK: tl.constexpr = False, AHEAD: tl.constexpr = False):
+                     KINDS: tl.constexpr = ALL_KINDS, WALK: tl.constexpr = False, AHEAD: tl.constexpr = False,
+                     RAGGED: tl.constexpr = False):
     """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor.
     ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads); ``PAIRS``: every
     structured segment keeps an even number of channels from a 4-byte aligned start (its entries read in pairs);
@@ -185,7 +187,8 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     ``[k]``, the structured one also ``TK > 0``), the others' loops not compiled in (a launch without compact keys:
     ~190 registers, ~70 fewer instructions per block); ``WALK``: the signed members are walked (:mod:`.triton_walk`;
     a decode step, ``n_rows ≤ RPM``), their per-step tables written at ``walk_ptr``, the constant table at ``tab_ptr``;
-    ``AHEAD``: each whole block asks L2 for the next block's values and keys (:data:`PREFETCH`).
+    ``AHEAD``: each whole block asks L2 for the next block's values and keys (:data:`PREFETCH`); ``RAGGED``: a
+    segment's tokens keep different numbers of channels (:func:`~.triton_compact._keys`; off: not compiled in).
     Program (0, 0) also advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
     w = tl.program_id(0).to(tl.int64)
     gb = tl.program_id(1).to(tl.int64)
@@ -272,13 +275,13 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
                               qg3, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct,
                               n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
-                              VALIGN, TK, PAIRS, False, KINDS, RPM, WALK, AHEAD)
+                              VALIGN, TK, PAIRS, False, KINDS, RPM, WALK, AHEAD, RAGGED)
     for t0 in range(full_end, t_end, BLOCK_):
         v = tl.load(values + t0 * D + inside, mask=(tt < t_end - t0)[:, None] & cm[None, :], other=0.0)
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
                               qg3, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct,
                               n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
-                              VALIGN, TK, PAIRS, True, KINDS, RPM, WALK, AHEAD)
+                              VALIGN, TK, PAIRS, True, KINDS, RPM, WALK, AHEAD, RAGGED)
     slot = tl.load(head_ptr + qh_r * HEAD + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
@@ -318,6 +321,7 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
                      ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
                      TK=getattr(tables, "width", 0), PAIRS=bool(getattr(tables, "pairs", False)),
                      KINDS=getattr(tables, "kinds", ALL_KINDS), WALK=walk, AHEAD=PREFETCH,
+                     RAGGED=bool(getattr(tables, "ragged", False)),
                      num_warps=PARTIAL_WARPS[elem.element_size()], num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
     # a decode step's few rows: no padding to 16, except for bfloat16 tails (tensor-core dots need 16 rows)
     rm = ROWS if tail_keys.dtype == torch.bfloat16 else min(triton.next_power_of_2(n), ROWS)

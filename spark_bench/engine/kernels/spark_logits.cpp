@@ -9,6 +9,9 @@
 //   mode 2, official sign·sqrt(μ_t/‖q_c‖): sqrt(μ_t) · Σ_{c∈P_t} s_tc a_c,          a_c = q_c / sqrt(‖q_c‖)
 //            = sqrt(μ_t) · (2 Σ_{c∈P_t, s=+} a_c − Σ_c a_c + Σ_{c∈K_t} a_c)
 //   mode 3, dense (every channel kept, no mask: ThinK's recent tokens)
+// A segment whose tokens keep different numbers of channels (T = −1: ties kept by Mustafar's threshold, SparK-p/-g)
+// finds token t's kept entries from a table of where each 16-token granule's entries start (int32, relative to the
+// segment's first entry) plus the kept counts (mask popcounts) of the granule's tokens before t.
 // a = q · aux_scale (per query head, per channel) is formed here. Modes 0 and 1 fold into a per-token correction
 // over the T kept channels only. Mode 2 needs the signs of the pruned entries (flat bits, in pruned order): they are
 // deposited onto the pruned channel positions (pdep) and the positive ones summed 8 channels at a time through
@@ -28,7 +31,8 @@
 // segment table columns (storage/segments.py PART_COLUMNS): each array is read from one of several parts (the rows'
 // own tensors, no copy), at an offset inside that part
 enum { QH = 0, OUT_OFF, N_TOK, T_KEPT, KEPT_PART, KEPT_OFF, MASK_PART, MASK_OFF, MASK_STRIDE, MU_PART, MU_OFF,
-       SIGN_PART, SIGN_OFF, MODE, N_COLS };
+       SIGN_PART, SIGN_OFF, MODE, START_PART, START_OFF, N_COLS };
+constexpr int64_t GRANULE = 16;  // tokens per entry of a ragged segment's start table (storage/segments.py)
 
 template <typename T>
 static std::vector<const T*> pointers(const std::vector<torch::Tensor>& parts) {
@@ -91,7 +95,7 @@ static void run(const float* q,          // (QH, G, D) queries
                 const int64_t* table, int64_t nseg, const float* fills,
                 const std::vector<const scalar_t*>& kept, const std::vector<const uint8_t*>& mask,
                 const std::vector<const scalar_t*>& mu, const std::vector<const uint8_t*>& signs,
-                const std::vector<int64_t>& sign_bits,
+                const std::vector<int64_t>& sign_bits, const std::vector<const int32_t*>& starts,
                 int64_t heads, int64_t D, int64_t Smax,
                 const scalar_t* tail, int64_t tail_cap, int64_t tail_len, int64_t q_len, int64_t g0,
                 float* out) {            // (QH, G, W), −inf-initialised; W = Smax + tail_len
@@ -129,6 +133,7 @@ static void run(const float* q,          // (QH, G, D) queries
   at::parallel_for(0, start[nseg], 256, [&](int64_t begin, int64_t end) {
     float acc[G], rec[G], pos_sum[G];
     int64_t s = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1;
+    int64_t next_seg = -1, next_t = -1, next_at = 0;  // a ragged segment's token after the last one: its entries' start
     for (int64_t flat = begin; flat < end; ++flat) {
       while (flat >= start[s + 1]) ++s;
       const int64_t* seg = table + s * N_COLS;
@@ -136,12 +141,24 @@ static void run(const float* q,          // (QH, G, D) queries
       const float* qh = qT.data() + h * D * G;
       const float* ah = aT.data() + h * D * G;
       for (int g = 0; g < G; ++g) acc[g] = rec[g] = pos_sum[g] = 0.f;
-      const scalar_t* k = kept[seg[KEPT_PART]] + seg[KEPT_OFF] + t * T;
+      int64_t at = t * T;  // the token's first kept entry (fixed T), else from the granule's start and counts
+      if (T < 0) {
+        if (s == next_seg && t == next_t) {
+          at = next_at;
+        } else {
+          const uint8_t* m0 = mask[seg[MASK_PART]] + seg[MASK_OFF] * nbytes;
+          at = starts[seg[START_PART]][seg[START_OFF] + t / GRANULE];
+          for (int64_t u = t - t % GRANULE; u < t; ++u)
+            for (int64_t w = 0; w < words; ++w)
+              at += __builtin_popcountll(load_word(m0 + u * nbytes + 8 * w, (int)std::min<int64_t>(8, nbytes - 8 * w)));
+        }
+      }
+      const scalar_t* k = kept[seg[KEPT_PART]] + seg[KEPT_OFF] + at;
       if (mode == 3) {
         for (int g = 0; g < G; ++g) acc[g] = dot(q + (h * G + g) * D, k, D);
       } else {
         const uint8_t* m = mask[seg[MASK_PART]] + (seg[MASK_OFF] + t * seg[MASK_STRIDE]) * nbytes;
-        int64_t p = 0, sign_pos = seg[SIGN_OFF] + t * (D - T);
+        int64_t p = 0, sign_pos = seg[SIGN_OFF] + t * D - at;  // the pruned entries of the tokens before
         for (int64_t w = 0; w < words; ++w) {
           const int wbytes = (int)std::min<int64_t>(8, nbytes - 8 * w);
           const uint64_t valid = wbytes == 8 ? ~0ULL : ((1ULL << (8 * wbytes)) - 1);
@@ -168,6 +185,7 @@ static void run(const float* q,          // (QH, G, D) queries
             }
           }
         }
+        if (T < 0) next_seg = s, next_t = t + 1, next_at = at + p;
       }
       float* o = out + h * G * W + seg[OUT_OFF] + t;
       const float* tot = totals.data() + h * G;
@@ -199,7 +217,8 @@ static void run(const float* q,          // (QH, G, D) queries
 
 torch::Tensor spark_segments(torch::Tensor q, torch::Tensor aux_scale, torch::Tensor table, torch::Tensor fills,
                              std::vector<torch::Tensor> kept, std::vector<torch::Tensor> mask,
-                             std::vector<torch::Tensor> mu, std::vector<torch::Tensor> signs, int64_t Smax,
+                             std::vector<torch::Tensor> mu, std::vector<torch::Tensor> signs,
+                             std::vector<torch::Tensor> starts, int64_t Smax,
                              torch::Tensor tail, int64_t tail_len, int64_t q_len, int64_t g0) {
   TORCH_CHECK(q.is_contiguous() && aux_scale.is_contiguous() && table.is_contiguous() && fills.is_contiguous());
   TORCH_CHECK(!kept.empty(), "segment stack without kept parts");
@@ -221,9 +240,11 @@ torch::Tensor spark_segments(torch::Tensor q, torch::Tensor aux_scale, torch::Te
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "spark_segments", [&] {
     const auto kept_p = pointers<scalar_t>(kept), mu_p = pointers<scalar_t>(mu);
     const auto mask_p = pointers<uint8_t>(mask), signs_p = pointers<uint8_t>(signs);
+    const auto starts_p = pointers<int32_t>(starts);
     auto args = std::make_tuple(q.data_ptr<float>(), aux_scale.data_ptr<float>(), table.data_ptr<int64_t>(),
                                 table.size(0), fills.data_ptr<float>(), std::cref(kept_p), std::cref(mask_p),
-                                std::cref(mu_p), std::cref(signs_p), std::cref(sign_bits), heads, D, Smax,
+                                std::cref(mu_p), std::cref(signs_p), std::cref(sign_bits), std::cref(starts_p), heads,
+                                D, Smax,
                                 tail_len ? tail.data_ptr<scalar_t>() : (scalar_t*)nullptr, tail_cap, tail_len,
                                 q_len, g0, out.data_ptr<float>());
     switch (G) {
