@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from spark_bench.engine.decode import group_size
 from spark_bench.engine.fidelity import KL_TOKENS
 from spark_bench.engine.prefill import LayerPrefill, Prefill
 from spark_bench.methods import MethodConfig, Pipeline
@@ -320,8 +321,9 @@ class Footprint:
     holds_prefill: bool  # the prefill is alive while the batch decodes
     baseline: int = 0    # CPU: the process's resident memory when predicted (what the measured peak starts from)
     check_work: int = 0  # the run-time check of a kernel variant: one row's keys and values rebuilt in float32
-    fidelity: int | None = 0  # the teacher-forced fidelity pass after decoding, one row at a time: its tails, one
-    # layer's temporaries, its logits and log-probabilities (engine/fidelity.py; the decode tail is gone by then);
+    fidelity: int | None = 0  # the teacher-forced fidelity pass after decoding, a fixed group of rows at a time:
+    # their tails, one layer's temporaries, one row's logits and log-probabilities, every row's primed suffix
+    # (engine/fidelity.py; the decode tail is gone by then);
     # None: the run skips the pass (fidelity=false), no such moment
     overhead: int = 0    # CPU: runtime and allocator overhead the resident set holds besides the tensors
     graph_pool: int = 0  # CUDA: the captured step's private memory pool (its temporaries, not reusable eagerly)
@@ -488,17 +490,25 @@ def predict_run(model: ModelConfig, configs: list[MethodConfig], prompt_tokens: 
     scoped = any(c.compress_scope != "prompt" for c in configs)
     suffix = (capacity if scoped else 0) if suffix is None else suffix  # ≤ new tokens (suffix included)
     work = step_work(arch, batch, s, capacity, e, loose, ada, suffix)
+    if fidelity and suffix > 1:  # the suffix runs group_size(configs) rows at a time (decode.prime_rows), the steps
+        primed = min(batch, group_size(len(configs), suffix))
+        steps_work = step_work(arch, batch, s, capacity, e, loose, ada)
+        work = tuple(max(a, b) for a, b in zip(steps_work, step_work(arch, primed, s, capacity, e, min(loose, primed),
+                                                                     min(ada, primed), suffix)))
     logits = 2 * batch * arch.vocab_size * 4
     check = check_work(arch, s, suffix) if any(store_bytes(c, arch, model.dtype).stacks for c in configs) else 0
-    # the teacher-forced fidelity pass (engine/fidelity.py): one forward per row, its two continuations (the suffix
-    # run again, then the reference answer or KL_TOKENS of the full row's tokens): their tails, one layer's
-    # temporaries with that many query rows and the hidden states read; one continuation's logits at a time (model
-    # dtype, float32, log-probabilities); the KL's temporaries and each open sample's full-row log-probabilities
-    forced = 2
+    # the teacher-forced fidelity pass (engine/fidelity.py): forwards of group_size(configs) continuations (the
+    # reference answer or KL_TOKENS of the full row's tokens) from each row's suffix, which every row of the batch
+    # keeps from its priming (decode.prime_rows): their tails, one layer's temporaries with that many query rows and
+    # the hidden states read; one continuation's logits at a time (model dtype, float32, log-probabilities); the
+    # KL's temporaries and each open sample's full-row log-probabilities
     keep = max(capacity - suffix if answer is None else answer, KL_TOKENS)  # positions read per continuation
+    forced = group_size(len(configs), keep)
     steps = suffix + keep
-    forced_work = step_work(arch, forced, s, steps, e, min(loose, forced), min(ada, forced), steps)
-    forced_bytes = forced * lay * 2 * h * steps * d * e + forced * keep * arch.hidden_size * e
+    forced_work = step_work(arch, forced, s, steps, e, min(loose, 1), min(ada, forced), keep)  # (query rows: the
+    # fed tokens, the suffix already in the tail; loose rows alone, one row's keys rebuilt at a time: cache.py)
+    forced_bytes = forced * lay * 2 * h * steps * d * e + forced * keep * arch.hidden_size * e \
+        + batch * lay * 2 * h * suffix * d * e
     open_samples = min(decode_samples, -(-batch // len(configs)) + 1)  # each keeps its full row's log-probabilities
     forced_logits = keep * arch.vocab_size * (e + 4 * (e < 4) + 4) + (open_samples + 3) * KL_TOKENS * \
         arch.vocab_size * 4

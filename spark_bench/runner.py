@@ -15,7 +15,7 @@ from spark_bench.engine.compress import compress_prefill, prefill_for
 from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.metrics import score
 from spark_bench.engine.clock import mapped_large_blocks, peak_memory, reset_peak, return_freed_memory
-from spark_bench.engine.decode import DecodeRow, decode_rows
+from spark_bench.engine.decode import DecodeRow, decode_rows, prime_rows
 from spark_bench.engine.fastpaths import FastPaths
 from spark_bench.engine.fidelity import Fidelity, ForcedRow, measure
 from spark_bench.benchmarks.reference import reference_ids
@@ -142,30 +142,27 @@ def _build_row(lm: LoadedModel, sample: Sample, pipeline: Pipeline, prefill: Pre
     return row, (context.compress_s, context.kv_bytes, context.key_ratio)
 
 
-# the fidelity pass stacks a sample's rows of a decode batch in one teacher-forced forward (fidelity.measure's
-# ``stacked``): fewer forwards, the numbers of one forward per row to ~1e-6 but not byte for byte (a forward's matmul
-# shapes change its rounding), so the stored numbers would then depend on decode_batch and on resumes; off until the
-# run files' byte-for-byte reproducibility (tests/conftest.py reproducible) allows that
-STACKED_FIDELITY = False
 
 
 def _forced(row: DecodeRow) -> ForcedRow:
     """A decoded row as the fidelity pass teacher-forces it (the continuation is set there)."""
-    return ForcedRow(row.cache, row.first_logits, row.position, tuple(row.suffix), [])
+    return ForcedRow(row.cache, row.first_logits, row.position, tuple(row.suffix), [], row.tail)
 
 
 def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                 decode_batch: int | None = None, decode_stack: bool = True,
                 decode_graph: bool = True, full: Pipeline | None = None,
                 full_tokens: dict | None = None, checks: FastPaths | None = None,
-                fidelity: bool = True) -> list[list[Prediction]]:
+                fidelity: bool = True, configs: int | None = None) -> list[list[Prediction]]:
     """Prefill each sample once, compress it under each of its pipelines and decode all the compressed caches
     together — ``decode_batch`` rows per batch (None: every row of ``work`` in one batch; 1: one at a time) — then
     score, and measure each row's fidelity (``answer_nll``, ``kl_full``, ``agree_full``) teacher-forced through its
-    cache right after its batch decodes (one forward per row, :func:`~spark_bench.engine.fidelity.measure`; with
-    :data:`STACKED_FIDELITY` a sample's rows of the batch stacked in one forward, as decoding stacks them), after
-    which its cache is released. One list of predictions per sample, in pipeline order; neither the tokens nor the
-    fidelity numbers depend on the batching (stacked: the numbers to float rounding only).
+    cache right after its batch decodes (:func:`~spark_bench.engine.fidelity.measure`: forwards of a fixed number of
+    rows, :func:`~spark_bench.engine.decode.group_size` of the sweep's ``configs`` (default: the most any sample has),
+    over the tokens each compares, from the suffix each ran before the batch decoded,
+    :func:`~spark_bench.engine.decode.prime_rows`), after which its cache is released. One list of predictions
+    per sample, in pipeline order; neither the tokens nor the fidelity numbers depend on the batching (the numbers
+    byte for byte: every forward of the pass has one shape, :func:`~spark_bench.engine.decode.fixed_groups`).
 
     A sample is prefilled when its first row is built and its prefill is dropped once its last row is built, so
     joining several samples in one batch holds their compressed caches, not their prefills (a ``full`` row's cache
@@ -180,6 +177,7 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
     batches and fidelity passes alike. ``fidelity=False``: no pass (the predictions' ``fidelity`` is False, their
     numbers None); each row's ``fidelity_s`` is its share of the pass, ``answer_s`` its own end-to-end seconds."""
     checks = FastPaths() if checks is None else checks
+    configs = configs or max((len(pipelines) for _, pipelines in work), default=1)
     if full is None:  # a library call: the full pipeline among the samples' own, if any
         full = next((p for _, pipelines in work for p in pipelines if p.config.name == "full"), None)
     first_full = (lambda p: p is not full) if full is not None else (lambda p: False)
@@ -228,6 +226,9 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                 if k == last_of.get(sample.meta.get("context")):  # the context's last question: its caches go
                     shared = {key: c for key, c in shared.items() if key[0] != sample.meta.get("context")}
         return_freed_memory()  # what compression freed, before decoding allocates its tail
+        for i in dict.fromkeys(i for i, _ in chunk) if fidelity else ():  # each sample's suffixes, in fixed groups:
+            prime_rows(lm.model, [rows[k] for k, (j, _) in enumerate(chunk) if j == i], decode_stack, checks, configs,
+                       facts[i][0])  # its pass continues from them, whatever the batch (prime_rows)
         decode_rows(lm.model, rows, stack=decode_stack, release=False, graph=decode_graph, checks=checks)
         passed = [] if fidelity else [(k, Fidelity(None, None, None, 0)) for k in range(len(chunk))]
         for i in dict.fromkeys(i for i, _ in chunk) if fidelity else ():  # per sample in this batch, its rows' pass
@@ -237,17 +238,19 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
             if i not in compared and full is not None:  # the sample's first pass: the full row is its first
                 at = 0 if mine[0][1] is full else len(forced)
                 if at:
-                    forced.append(_forced(rebuilt.pop(i)))
+                    again = rebuilt.pop(i)
+                    prime_rows(lm.model, [again], decode_stack, checks, configs, facts[i][0])
+                    forced.append(_forced(again))
                 compared[i] = (rows[mine[0][0]].tokens if not at else full_tokens[sample.id], None)
             greedy, log_probs = compared.get(i, ([], None))
             numbers, log_probs = measure(lm.model, forced, reference_ids(sample, lm.tokenizer), greedy, full=at,
                                          full_log_probs=log_probs, stack=decode_stack, checks=checks,
-                                         stacked=STACKED_FIDELITY, batch=decode_batch)
+                                         configs=configs, width=facts[i][0])
             compared[i] = (greedy, log_probs)
             passed += [(k, f) for (k, _), f in zip(mine, numbers)]
         per_row = [f for _, f in sorted(passed, key=lambda x: x[0])]
         for row in rows:
-            row.cache = None  # the batch's caches go once its passes are done
+            row.cache = row.tail = None  # the batch's caches go once its passes are done
         peak = peak_memory(lm.devices)  # the batch's prefills, compression, decoding and teacher-forced passes
         for k, ((i, pipeline), measured, row, f) in enumerate(zip(chunk, built, rows, per_row), first):
             done_rows.setdefault(i, []).append((pipeline, measured, row, peak, f))
@@ -355,7 +358,7 @@ def _sweep(lm, samples, pipelines, labels, results, done, progress, decode_batch
     for group in ([w for unit in units[i:i + decode_samples] for w in unit]
                   for i in range(0, len(units), decode_samples)):
         for sample_records in run_samples(lm, group, decode_batch, decode_stack, decode_graph, full, full_tokens,
-                                          checks, fidelity):
+                                          checks, fidelity, len(pipelines)):
             records = [p.record() for p in sample_records]
             results.append(records)  # one durable append per sample
             for r in records:

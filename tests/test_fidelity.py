@@ -10,6 +10,7 @@ from conftest import DEVICE
 
 from spark_bench.benchmarks.base import Sample
 from spark_bench.benchmarks.reference import reference_text
+from spark_bench.engine.decode import DecodeRow, prime_rows
 from spark_bench.engine.fidelity import ForcedRow, forced_log_probs, kl_agree, measure
 from spark_bench.engine.prefill import run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
@@ -203,6 +204,22 @@ def test_stacked_pass_equals_the_per_config_reference(tiny_lm, prompt, monkeypat
              for s in (False, True)]
     assert alone[1] == pytest.approx(alone[0], abs=1e-5) and alone[0] == pytest.approx([r[0] for r in reference[1:]],
                                                                                      abs=1e-5)
+    # the suffix row primed as a sweep primes it (decode.prime_rows: its suffix run on its own before decoding): the
+    # pass then feeds only the compared tokens from the suffix's keys and values, with the same numbers
+    primed = DecodeRow(cache, None, 100, 1, frozenset(), suffix=rows[-1].suffix)
+    prime_rows(tiny_lm.model, [primed])
+    assert primed.suffix == () and primed.position == ids.shape[1] and primed.tail[0][0].shape[-2] == 20
+    rows[-1] = ForcedRow(cache, primed.first_logits, primed.position, (), [], primed.tail)
+    for kw in (dict(stacked=False), dict(batch=None)):
+        got = numbers(**kw)[0]
+        assert got[-1][2:] == reference[-1][2:] and got[-1][:2] == pytest.approx(reference[-1][:2], abs=1e-5)
+    # forwards of a fixed number of rows (a sweep's pass, group_size): stacked, yet each row's numbers byte for byte
+    # the same whatever rows share its forwards — all rows, or the full row and one other (a decode batch of two)
+    fixed = numbers(configs=3, width=ids.shape[1])[0]
+    assert fixed[-1][2:] == reference[-1][2:] and fixed[-1][:2] == pytest.approx(reference[-1][:2], abs=1e-5)
+    pair = fidelity.measure(tiny_lm.model, [rows[0], rows[-1]], REFERENCE, greedy, full=0, configs=3,
+                            width=ids.shape[1])[0]
+    assert [(f.answer_nll, f.kl_full, f.agree_full) for f in pair] == [fixed[0][:3], fixed[-1][:3]]
     # a later batch against the full row's log-probabilities from an earlier call, stacked: the same numbers
     later, _ = fidelity.measure(tiny_lm.model, rows[1:], REFERENCE, greedy, full_log_probs=ref_lp)
     assert [x for f in later for x in (f.answer_nll, f.kl_full)] == pytest.approx(

@@ -7,7 +7,7 @@ from conftest import DEVICE
 from transformers import DynamicCache
 
 from spark_bench.benchmarks.base import Sample, _token_boundary, encode_prompt
-from spark_bench.engine.decode import DecodeRow, decode_rows
+from spark_bench.engine.decode import DecodeRow, decode_rows, prime_rows
 from spark_bench.engine.prefill import QueryStatsSpec, run_prefill
 from spark_bench.methods import MethodConfig, Pipeline
 from test_methods import MATRIX
@@ -153,7 +153,14 @@ def test_suffix_rows_batch_like_rows_alone_on_both_attention_paths(tiny_lm, scop
     batched = [r.tokens for r in decode_rows(model, rows())]
     alone = [decode_rows(model, [r])[0].tokens for r in rows()]
     reference = [r.tokens for r in decode_rows(model, rows("materialize"))]
-    assert batched == alone == reference
+    primed = rows()  # the suffixes first, in forwards of 3 or 2 rows (a sweep with the fidelity pass on), then batched
+    prime_rows(model, primed, configs=3, width=200)
+    assert all(not r.suffix and len(r.tail) == len(r.cache.layers) for r in primed)
+    assert batched == alone == reference == [r.tokens for r in decode_rows(model, primed)]
+    for row, one in zip(primed[::5], rows()[::5]):  # each row's suffix the same whatever rows share its forward
+        prime_rows(model, [one], configs=3, width=200)
+        assert torch.equal(one.first_logits, row.first_logits) and all(
+            torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(one.tail, row.tail))
     assert len(batched) == 2 * len(CONFIGS) and all(len(t) == 4 for t in batched)
 
 

@@ -215,7 +215,13 @@ class BatchedLayer(StackedLaunch, CacheLayerMixin):
     work_bytes = 256 * 2 ** 20  # bound on a suffix's per-call float32 scores / partials (query rows go in chunks)
 
     def __init__(self, rows: list[StoredLayer], capacity: int, stack: bool = True, mode: str = "compact",
-                 fast_paths: FastPaths | None = None):
+                 fast_paths: FastPaths | None = None, tails: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 width: int = 0, alone: bool = False):
+        """``tails``: each row's tokens already run through its cache (keys and values ``(B, H_kv, n, D)``, every
+        row the same ``n``: a suffix, :func:`~spark_bench.engine.decode.prime_rows`), the tail's first ``n`` tokens;
+        ``capacity`` tokens fit after them. ``width`` (at least the longest row) and ``alone`` (loose rows never
+        share one product over shared values) make a row's arithmetic independent of the other rows: every
+        reduction of the same length, whatever rows are batched (:func:`~spark_bench.engine.decode.fixed_groups`)."""
         super().__init__()
         self.fast_paths = FastPaths() if fast_paths is None else fast_paths  # the run's checks (None: its own)
         self.reference = False  # True once a kernel differed from its reference: every row on the reference path
@@ -223,13 +229,18 @@ class BatchedLayer(StackedLaunch, CacheLayerMixin):
         b, h, _, d = first.shape
         device = store_device(first)  # this layer's own device (under a device map, not the model's first one)
         self.batch_rows = b
-        self.tail_keys = torch.empty(len(rows) * b, h, capacity, d, dtype=first.dtype, device=device)
+        primed = tails[0][0].shape[-2] if tails else 0
+        self.tail_keys = torch.empty(len(rows) * b, h, primed + capacity, d, dtype=first.dtype, device=device)
         self.tail_values = torch.empty_like(self.tail_keys)
-        self.length = 0
-        self.length_t = torch.zeros(1, dtype=torch.int64, device=device)
+        for i, (keys, values) in enumerate(tails or ()):
+            self.tail_keys[i * b:(i + 1) * b, :, :primed] = keys
+            self.tail_values[i * b:(i + 1) * b, :, :primed] = values
+        self.length = primed
+        self.length_t = torch.full((1,), primed, dtype=torch.int64, device=device)
         self.is_initialized = True
         self.lengths = [row.key_store.length for row in rows]
-        self.s_max = max(self.lengths)
+        self.s_max = max(max(self.lengths), width)
+        self.alone = alone
         self.backend = compact_backend(device) if mode == "compact" else "no: materialize"
         kernel = [i for i, row in enumerate(rows) if stackable(row, self.backend, warn=True) is None]
         if self.backend == "cpp" and not stack:
@@ -270,7 +281,7 @@ class BatchedLayer(StackedLaunch, CacheLayerMixin):
                            for m in self._members}))
         served = [i for u in self.units for i in u["rows"]] + self.loose
         out_order = upload.add(None if served == list(range(len(self.rows))) else _argsort(served))
-        self.groups = _groups_of(self.rows, self.loose)
+        self.groups = [[i] for i in self.loose] if self.alone else _groups_of(self.rows, self.loose)
         group_slots = [upload.add(group if len(group) > 1 else None) for group in self.groups]
         sent = upload.send(self.tail_keys.device)
         if tail_index is not None:
@@ -349,8 +360,9 @@ class BatchedLayer(StackedLaunch, CacheLayerMixin):
     def _attend_fast(self, grouped: torch.Tensor, scaling: float, q_len: int, mode: str) -> torch.Tensor:
         if self.stacked and self.backend == "triton":  # the kernels scale the queries in float32 themselves
             return self._attend_fused(grouped, scaling, q_len)
-        if not self.stacked:  # (every row with mode="materialize")
-            return self._attend_rows(scaled_queries(grouped, scaling), q_len, mode)
+        if not self.stacked and not (self.alone and self.backend == "cpp"):  # (every row with mode="materialize")
+            return self._attend_rows(scaled_queries(grouped, scaling), q_len, mode)  # (rows alone on the CPU: one
+        # path for a loose row whether or not a neighbour is stacked, launch.py)
         return self._attend_cpu(scaled_queries(grouped, scaling), q_len)
 
     def _kernel_rows(self) -> list[int]:
@@ -504,10 +516,13 @@ class BatchedCache(GraphSteps, Cache):
     by the model as one batch-``R`` cache. ``capacity``: most tokens any row will run through it."""
 
     def __init__(self, caches: list[CompressedCache], capacity: int, stack: bool = True, consume: bool = False,
-                 fast_paths: FastPaths | None = None):
+                 fast_paths: FastPaths | None = None, tails: list[list] | None = None, width: int = 0,
+                 alone: bool = False):
         """``consume``: hand each row cache's layer over as soon as it is batched (``caches`` are unusable after),
         so building the batch never holds a layer's stores twice. ``fast_paths``: the run's record of its fast paths
-        (:mod:`~spark_bench.engine.fastpaths`; default: a new one, this batch a run of its own)."""
+        (:mod:`~spark_bench.engine.fastpaths`; default: a new one, this batch a run of its own). ``tails``: per row,
+        per layer, the ``(keys, values)`` its tail starts with (:class:`BatchedLayer`), or None; ``width``,
+        ``alone``: see :class:`BatchedLayer`."""
         modes = {c.attention for c in caches}
         if len(modes) != 1:
             raise ValueError(f"one decode batch cannot mix attention modes {sorted(modes)}")
@@ -515,7 +530,8 @@ class BatchedCache(GraphSteps, Cache):
         self.fast_paths = FastPaths() if fast_paths is None else fast_paths
         layers = []
         for i in range(len(caches[0].layers)):
-            layers.append(BatchedLayer([c.layers[i] for c in caches], capacity, stack, mode, self.fast_paths))
+            layers.append(BatchedLayer([c.layers[i] for c in caches], capacity, stack, mode, self.fast_paths,
+                                       None if tails is None else [t[i] for t in tails], width, alone))
             if consume:
                 for c in caches:
                     c.layers[i] = None

@@ -9,6 +9,9 @@ A row may first run a *suffix* through its compressed cache (``compress_scope`` 
 end of turn, the assistant header, the answer prefix, and under ``context`` the question): one forward over the
 suffix tokens of every row (rows with equal suffix lengths batch together), whose last logits give the first answer
 token, as the official kvpress pipeline's ``generate_answer`` does. Suffix tokens join the dense decoded tail.
+:func:`prime_rows` runs each row's suffix on its own instead, before the batch: the row keeps the suffix's keys and
+values and its last logits, so a later teacher-forced pass (:mod:`~spark_bench.engine.fidelity`) continues from them
+instead of running the suffix again, with numbers that do not depend on which rows were batched together.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class DecodeRow:
     stop_token_ids: frozenset[int]
     min_new_tokens: int = 0
     suffix: tuple[int, ...] = ()
+    tail: list | None = None  # per layer, (keys, values) of the suffix already run through the cache (prime_rows)
     tokens: list[int] = field(default_factory=list)
     forward_s: float = 0.0  # this row's share of the batched decode (forwards, batch building, keep, captures: s)
     warmup_s: float = 0.0   # its share of the first uses of fast-path variants (compile, run-time check: s)
@@ -162,6 +166,63 @@ def _forward(model: nn.Module, rows: list[DecodeRow], live: list[int], cache: Ba
     return chosen, host
 
 
+def fixed_groups(items: list, size: int) -> list[tuple[list, int]]:
+    """``items`` in chunks of exactly ``size`` (the last padded with copies of its first item, whose results are
+    dropped): ``(chunk, real items)`` each. A forward of a chunk then has one shape whatever the items, and with it
+    (and :class:`BatchedCache`'s ``width`` / ``alone``) every row's arithmetic: each reduction of a matrix product of
+    one shape sums the same terms in the same order, whatever its other rows hold (``tests/test_fidelity.py``)."""
+    return [(chunk + chunk[:1] * (size - len(chunk)), len(chunk))
+            for chunk in (items[k:k + size] for k in range(0, len(items), size))]
+
+
+FORWARD_TOKENS = 128  # tokens a stacked forward of prime_rows / the fidelity pass aims at (fixed_groups)
+
+
+def group_size(configs: int, tokens: int, most: int = 8) -> int:
+    """Rows per :func:`fixed_groups` chunk for a sweep of ``configs`` method configs whose rows each run ``tokens``
+    tokens: enough rows for about :data:`FORWARD_TOKENS` tokens per forward (products of fewer rows run 1.5–2× slower
+    per token on a CPU; a long answer is efficient alone, and its rows' tails stay small), at most ``most``, as even as
+    the chunks allow (26 configs of 15 tokens: 4 chunks of 7). It depends on the sweep and the sample alone, not on a
+    decode batch, a resume or a shard."""
+    most = max(1, min(most, FORWARD_TOKENS // max(tokens, 1)))
+    return -(-configs // -(-configs // most)) if configs else 1
+
+
+@torch.inference_mode()
+def prime_rows(model: nn.Module, rows: list[DecodeRow], stack: bool = True, checks: FastPaths | None = None,
+               configs: int = 1, width: int = 0) -> None:
+    """Run the rows' suffixes through their caches, :func:`group_size` ``(configs, suffix)`` rows per forward
+    (:func:`fixed_groups`; rows of one suffix length and attention mode; ``configs``: the sweep's), each row's
+    arithmetic its own (``width``: the sample's prompt length, see
+    :class:`BatchedCache`): a row's ``first_logits`` become the suffix's last logits, its ``tail`` the suffix's keys
+    and values per layer, its ``position`` the one after the suffix, and its ``suffix`` empty — so decoding starts
+    from its first answer token, and a teacher-forced pass (:mod:`~spark_bench.engine.fidelity`) continues from the
+    suffix instead of running it again, with numbers that do not depend on which rows were batched together. The
+    forwards are decode time (``forward_s``, shared by a chunk's rows; first uses of fast paths in ``warmup_s``)."""
+    checks = FastPaths() if checks is None else checks
+    device = _input_device(model)
+    kinds: dict[tuple[int, str], list[DecodeRow]] = {}
+    for row in rows:
+        if row.suffix:
+            kinds.setdefault((len(row.suffix), row.cache.attention), []).append(row)
+    for (n, _), same in kinds.items():
+        for chunk, real in fixed_groups(same, group_size(configs, n)):
+            start, warm = time.perf_counter(), checks.seconds
+            cache = BatchedCache([row.cache for row in chunk], n, stack, fast_paths=checks, width=width, alone=True)
+            ids = torch.tensor([list(row.suffix) for row in chunk], device=device)
+            positions = torch.tensor([[row.position + k for k in range(n)] for row in chunk], device=device)
+            with compressed_attention_enabled(model):
+                logits = _eager(model, cache, ids, positions)
+            b = cache.layers[0].batch_rows
+            for j, row in enumerate(chunk[:real]):
+                row.tail = [(layer.tail_keys[j * b:(j + 1) * b, :, :n].clone(),
+                             layer.tail_values[j * b:(j + 1) * b, :, :n].clone()) for layer in cache.layers]
+                row.first_logits, row.position, row.suffix = logits[j], row.position + n, ()
+            logits.max().item()  # read on the host: the forward is done (a true time on an asynchronous device)
+            warm = checks.seconds - warm
+            _charge(chunk, list(range(real)), time.perf_counter() - start - warm, warm)
+
+
 def graph_step(model: nn.Module, cache: BatchedCache, ids: torch.Tensor, positions: torch.Tensor,
                wanted: bool) -> StepGraph | None:
     """The captured step for this batch, or None (``wanted`` false, or :meth:`BatchedCache.graph_blocker` names
@@ -201,15 +262,24 @@ def decode_rows(model: nn.Module, rows: list[DecodeRow], stack: bool = True,
     rows (``keep``) and graph captures; ``warmup_s`` the first use of each fast-path variant (its compile, its check
     against the reference)."""
     checks = FastPaths() if checks is None else checks
-    by_suffix: dict[int, list[DecodeRow]] = {}
+    by_suffix: dict[tuple[int, int], list[DecodeRow]] = {}
     for row in rows:
         if not row.suffix and row.first_logits is None:
             raise ValueError("a decode row needs first_logits or a suffix to run through its cache")
-        by_suffix.setdefault(len(row.suffix), []).append(row)
+        by_suffix.setdefault((len(row.suffix), _tail_length(row.tail)), []).append(row)
     for group in by_suffix.values():
         order = BatchedCache.order([row.cache for row in group], stack)
         _decode_batch(model, [group[i] for i in order], stack, release, graph, checks)
     return rows
+
+
+def _tail_length(tail: list | None) -> int:
+    """Tokens a row's tail starts with (:func:`prime_rows`); rows of one batch advance in lockstep from equal tails."""
+    return 0 if tail is None else tail[0][0].shape[-2]
+
+
+def _tails(rows: list[DecodeRow]) -> list | None:
+    return None if rows[0].tail is None else [row.tail for row in rows]
 
 
 def _decode_batch(model: nn.Module, rows: list[DecodeRow], stack: bool, release: bool, graph: bool,
@@ -220,7 +290,7 @@ def _decode_batch(model: nn.Module, rows: list[DecodeRow], stack: bool, release:
     if n:
         start = time.perf_counter()
         cache = BatchedCache([row.cache for row in rows], n + max(row.max_new_tokens for row in rows), stack,
-                             consume=release, fast_paths=checks)
+                             consume=release, fast_paths=checks, tails=_tails(rows))
         if release:
             for row in rows:
                 row.cache = None
@@ -238,7 +308,7 @@ def _decode_batch(model: nn.Module, rows: list[DecodeRow], stack: bool, release:
     start = time.perf_counter()
     if cache is None:
         cache = BatchedCache([rows[i].cache for i in going], max(rows[i].max_new_tokens for i in going), stack,
-                             consume=release, fast_paths=checks)
+                             consume=release, fast_paths=checks, tails=_tails([rows[i] for i in going]))
         if release:
             for row in rows:
                 row.cache = None

@@ -14,8 +14,10 @@ Three numbers per sample × method config, beside its task score:
 The first answer token comes from exactly the logits decoding takes it from: under ``compress_scope=prompt`` the
 full-cache prefill's (every config's first position is then the full cache's, KL 0 there), else the last logits
 of the suffix run through the compressed cache (:mod:`~spark_bench.engine.decode`). Every later position is one
-forward over ``suffix + tokens`` through a :class:`~spark_bench.engine.cache.BatchedCache` of every row — the
-attention decoding runs (stacked rows share one kernel call per layer, the same dense tail, the same merge), only
+forward over ``suffix + tokens`` through a :class:`~spark_bench.engine.cache.BatchedCache` of every row (over the
+``tokens`` alone when decoding left the row its suffix's keys and values, :func:`~spark_bench.engine.decode.
+prime_rows`: the suffix, most of a short answer's pass, then runs once per row, not twice), with the attention
+decoding runs (stacked rows share one kernel call per layer, the same dense tail, the same merge), only
 with several query tokens per row, causal among themselves. Rows are right-padded to one length; padding comes after
 every position read, so under causal attention it changes nothing that is read.
 """
@@ -31,6 +33,7 @@ from torch import nn
 
 from spark_bench.engine.attention import compressed_attention_enabled
 from spark_bench.engine.cache import BatchedCache, CompressedCache
+from spark_bench.engine.decode import fixed_groups, group_size
 from spark_bench.engine.fastpaths import FastPaths
 
 KL_TOKENS = 16  # positions of the full cache's greedy continuation that kl_full / agree_full compare
@@ -40,13 +43,16 @@ KL_TOKENS = 16  # positions of the full cache's greedy continuation that kl_full
 class ForcedRow:
     """A continuation to teacher-force: the compressed ``cache``, the logits of its first token (``first_logits``,
     used when there is no ``suffix``), the position of its next token, the ``suffix`` to run first and the tokens
-    ``fed`` after it. :func:`forced_log_probs` gives ``len(fed) + 1`` distributions: before ``fed[0]``, after each."""
+    ``fed`` after it; ``tail``: per layer, the keys and values of tokens already run through the cache (its suffix,
+    :func:`~spark_bench.engine.decode.prime_rows`, which also gave ``first_logits``), which the forward starts from.
+    :func:`forced_log_probs` gives ``len(fed) + 1`` distributions: before ``fed[0]``, after each."""
 
     cache: CompressedCache
     first_logits: torch.Tensor | None
     position: int
     suffix: tuple[int, ...]
     fed: list[int]
+    tail: list | None = None  # per layer, (keys, values) already run through the cache (decode.prime_rows)
 
 
 @dataclass(frozen=True)
@@ -77,50 +83,64 @@ def _output_head(model: nn.Module):
 
 @torch.inference_mode()
 def iter_forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool = True,
-                          checks: FastPaths | None = None):
+                          checks: FastPaths | None = None, size: int | None = None, fed: int | None = None,
+                          width: int = 0):
     """``(i, log_probs)`` for every row ``i``: its ``(len(fed) + 1, V)`` float32 log-probabilities of the next token,
     position 0 the one decoding takes its first token from, position ``k`` after ``fed[:k]``. Rows with equal suffix
-    lengths (and attention mode) run as one forward (as decoding groups them), stacked in :meth:`BatchedCache.order`;
-    a group's rows are yielded in the order of ``rows`` (the groups in the order of their first rows), so the first
-    row comes first; the caches are read, not consumed. The forward stops at the decoder's hidden states and each
-    row's logits are made from its own positions when it is yielded (:func:`_output_head`), so one row's
-    ``(positions, V)`` logits exist at a time, not the batch's. ``checks``: the run's fast-path record (:mod:`~spark_bench.engine.fastpaths`; default: a new one,
-    the call a run of its own)."""
+    and tail lengths (and attention mode) run as one forward (as decoding groups them), stacked in
+    :meth:`BatchedCache.order`; a group's rows are yielded in the order of ``rows`` (the groups in the order of their
+    first rows), so the first row comes first; the caches are read, not consumed. The forward stops at the decoder's
+    hidden states and each row's logits are made from its own positions when it is yielded (:func:`_output_head`), so
+    one row's ``(positions, V)`` logits exist at a time, not the batch's. ``checks``: the run's fast-path record
+    (:mod:`~spark_bench.engine.fastpaths`; default: a new one, the call a run of its own).
+
+    ``size``: each forward holds exactly ``size`` rows (:func:`~spark_bench.engine.decode.fixed_groups`), each fed
+    ``fed`` tokens (padded), over a batch of ``width`` (:class:`~spark_bench.engine.cache.BatchedCache`): every
+    matrix product then has one shape and a row's numbers are the same whatever rows share its forward."""
     checks = FastPaths() if checks is None else checks
-    groups: dict[tuple[int, str], list[int]] = {}
+    groups: dict[tuple[int, int, str], list[int]] = {}
     for i, row in enumerate(rows):
         if not row.suffix and row.first_logits is None:
             raise ValueError("a teacher-forced row needs first_logits or a suffix to run through its cache")
-        groups.setdefault((len(row.suffix), row.cache.attention), []).append(i)  # a batch has one attention mode
+        tail = 0 if row.tail is None else row.tail[0][0].shape[-2]  # a batch's tails start equally long
+        groups.setdefault((len(row.suffix), tail, row.cache.attention), []).append(i)  # and have one attention mode
     device = model.get_input_embeddings().weight.device
     split = _output_head(model)
-    for (n, _), members in groups.items():
-        longest = max(len(rows[i].fed) for i in members)
-        steps = n + longest
-        keep = longest + (1 if n else 0)  # the positions read: the suffix's last, then one after each fed token
-        states, order = None, members
-        if steps and keep:
-            order = [members[j] for j in BatchedCache.order([rows[i].cache for i in members], stack)]
-            cache = BatchedCache([rows[i].cache for i in order], steps, stack, consume=False, fast_paths=checks)
-            ids = torch.tensor([list(rows[i].suffix) + rows[i].fed + [0] * (longest - len(rows[i].fed))
-                                for i in order], device=device)  # padding: after every position read
-            positions = torch.tensor([[rows[i].position + k for k in range(steps)] for i in order], device=device)
-            inputs = dict(input_ids=ids, position_ids=positions, past_key_values=cache, compressed_cache=cache,
-                          use_cache=True)
-            with compressed_attention_enabled(model):
-                if split is not None:
-                    states = split[0](**inputs).last_hidden_state[:, steps - keep:]
-                else:
-                    states = model(**inputs, logits_to_keep=keep).logits
-            del cache
-        at = {i: j for j, i in enumerate(order)}
-        for i in members:  # in the order of rows (the batch's own order only inside the forward)
-            row = rows[i]
-            parts = [] if n else [row.first_logits.reshape(1, -1).float().to(device)]
-            if states is not None:
-                mine = states[at[i], :len(row.fed) + (1 if n else 0)]
-                parts.append((split[1](mine) if split is not None else mine).float())
-            yield i, torch.log_softmax(torch.cat(parts), dim=-1)
+    for (n, _, _), members in groups.items():
+        for chunk, real in fixed_groups(members, size) if size else [(members, len(members))]:
+            longest = max(len(rows[i].fed) for i in chunk)
+            if size and fed is not None:
+                if longest > fed:
+                    raise ValueError(f"a continuation of {longest} tokens in forwards fed {fed}")
+                longest = fed
+            steps = n + longest
+            keep = longest + (1 if n else 0)  # the positions read: the suffix's last, then one after each fed token
+            states, order = None, chunk
+            if steps and keep:
+                order = [chunk[j] for j in BatchedCache.order([rows[i].cache for i in chunk], stack)]
+                tails = None if rows[order[0]].tail is None else [rows[i].tail for i in order]
+                cache = BatchedCache([rows[i].cache for i in order], steps, stack, consume=False, fast_paths=checks,
+                                     tails=tails, width=width, alone=bool(size))
+                ids = torch.tensor([list(rows[i].suffix) + rows[i].fed + [0] * (longest - len(rows[i].fed))
+                                    for i in order], device=device)
+                # (padding: after every position read)
+                positions = torch.tensor([[rows[i].position + k for k in range(steps)] for i in order], device=device)
+                inputs = dict(input_ids=ids, position_ids=positions, past_key_values=cache, compressed_cache=cache,
+                              use_cache=True)
+                with compressed_attention_enabled(model):
+                    if split is not None:
+                        states = split[0](**inputs).last_hidden_state[:, steps - keep:]
+                    else:
+                        states = model(**inputs, logits_to_keep=keep).logits
+                del cache
+            at = {i: j for j, i in enumerate(order)}  # (a copy padding the chunk: its last place, never read)
+            for i in chunk[:real]:  # in the order of rows (the batch's own order only inside the forward)
+                row = rows[i]
+                parts = [] if n else [row.first_logits.reshape(1, -1).float().to(device)]
+                if states is not None:
+                    mine = states[at[i], :len(row.fed) + (1 if n else 0)]
+                    parts.append((split[1](mine) if split is not None else mine).float())
+                yield i, torch.log_softmax(torch.cat(parts), dim=-1)
 
 
 def forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool = True,
@@ -151,7 +171,8 @@ def kl_agree(full: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
 def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], greedy: list[int],
             full: int | None = None, full_log_probs: torch.Tensor | None = None, stack: bool = True,
             tokens: int = KL_TOKENS, checks: FastPaths | None = None, merge: bool = True,
-            stacked: bool = True, batch: int | None = None) -> tuple[list[Fidelity], torch.Tensor | None]:
+            stacked: bool = True, batch: int | None = None, configs: int | None = None,
+            width: int = 0) -> tuple[list[Fidelity], torch.Tensor | None]:
     """The three numbers of rows of one sample, and the full cache's log-probabilities they were compared with.
 
     ``rows``: one per method config (``fed`` is set here); ``reference``: the answer's token ids (empty: no
@@ -170,8 +191,12 @@ def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], greed
     one forward per ``batch`` configs instead of one per config. ``stacked=False``: the reference path, one forward
     per row (its two continuations together; the full row's greedy continuation alone, first), whose numbers do not
     depend on the other rows byte for byte; the stacked path gives them to float rounding (the matmuls' shapes
-    differ; ``tests/test_fidelity.py``). Each row's log-probabilities are reduced to its numbers as they come: only
-    the full row's continuation (``(positions, V)``) outlives its forward. ``checks``: the run's fast-path record."""
+    differ; ``tests/test_fidelity.py``). ``configs`` (a sweep's pass: its number of configs): the continuations in
+    forwards of exactly :func:`~spark_bench.engine.decode.group_size` rows, each fed as many tokens as the sample's
+    longest continuation, over a batch of ``width`` (:func:`iter_forced_log_probs`): stacked, yet each row's numbers
+    byte for byte those of any other batching of the sample's rows. Each row's log-probabilities are reduced to its numbers as they
+    come: only the full row's continuation (``(positions, V)``) outlives its forward. ``checks``: the run's fast-path
+    record."""
     greedy_fed = list(greedy[:tokens - 1])
     answer_fed = list(reference[:-1])
     compared = full is not None or full_log_probs is not None
@@ -187,9 +212,13 @@ def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], greed
     else:
         mine = {r: [(r, "greedy")] * (compared and (r == full)) + [(r, "answer")] * bool(reference)
                 + [(r, "greedy")] * (compared and r != full) for r in order}
-    if stacked:
-        size = max(1, batch or len(order))
-        passes = [[item for r in order[k:k + size] for item in mine[r]] for k in range(0, len(order), size)]
+    longest = max((len(fed[which]) for r in order for _, which in mine[r]), default=0)  # (the sample's, any batch)
+    size = group_size(configs, longest) if configs else None
+    if size:
+        passes = [[item for r in order for item in mine[r]]]
+    elif stacked:
+        step = max(1, batch or len(order))
+        passes = [[item for r in order[k:k + step] for item in mine[r]] for k in range(0, len(order), step)]
     elif both:
         passes = [mine[r] for r in order]
     else:  # the full row's greedy continuation alone, first; then each row's own
@@ -199,9 +228,9 @@ def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], greed
     seconds = [0.0] * len(rows)
     for part in filter(None, passes):
         start = time.perf_counter()
-        forced = [ForcedRow(rows[r].cache, rows[r].first_logits, rows[r].position, rows[r].suffix, fed[which])
-                  for r, which in part]
-        for j, log_probs in iter_forced_log_probs(model, forced, stack, checks):
+        forced = [ForcedRow(rows[r].cache, rows[r].first_logits, rows[r].position, rows[r].suffix, fed[which],
+                            rows[r].tail) for r, which in part]
+        for j, log_probs in iter_forced_log_probs(model, forced, stack, checks, size, longest, width):
             r, which = part[j]
             if which in ("answer", "both"):
                 nll[r] = mean_nll(log_probs, reference)

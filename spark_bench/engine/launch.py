@@ -14,7 +14,7 @@ holds the rows (:class:`~spark_bench.engine.cache.BatchedLayer`) and from the ke
   rows.
 
 :class:`StackedLaunch` is a mixin of ``BatchedLayer``: it reads the layer's ``units`` (stacks, row index, tables),
-``tail_keys``/``tail_values``, ``length``/``length_t``, ``pending``, ``valid_bits``, ``s_max`` and its row order
+``tail_keys``/``tail_values``, ``length``/``length_t``, ``pending``, ``valid_bits``, ``s_max``, ``alone`` and its row order
 (``stacked``, ``loose``, ``prefix``, ``order``, ``stacked_index``, ``out_order``), which the layer builds in
 ``_arrange``, and calls its per-row path (``_attend_rows``) for loose rows. It imports nothing from the cache module.
 """
@@ -40,6 +40,15 @@ class StackedLaunch:
                                                         members)
             self._members.add(members)
         return unit["tables"][members]
+
+    def _slots(self, unit: dict, members: int) -> int:
+        """The unit's partial-softmax slots, which bound a suffix's chunk of query rows; with rows ``alone``, a bound
+        from the batch's shape (rows × heads × the slots of ``s_max`` tokens), so that the chunks, and the kernel's
+        specialisation with them, do not depend on the other rows' lengths."""
+        if self.alone:
+            return len(unit["rows"]) * self.batch_rows * self.tail_keys.shape[1] * -(
+                -self.s_max // FusedTables.chunk_of(self.s_max))
+        return self._tables(unit, members).n_slots
 
     def _rows_of(self, x: torch.Tensor, index, rows: list[int]) -> torch.Tensor:
         if index is not None:
@@ -78,7 +87,7 @@ class StackedLaunch:
             nk = self._rows_of(new_k, index, rows).reshape(n, q_len, d)
             nv = self._rows_of(new_v, index, rows).reshape(n, q_len, d)
             step = g
-            while step > 1 and self._tables(unit, launch_shape(step)[1]).n_slots * step * (d + 2) * 4 > self.work_bytes:
+            while step > 1 and self._slots(unit, launch_shape(step)[1]) * step * (d + 2) * 4 > self.work_bytes:
                 step = -(-step // 2)
             out = torch.empty(n, g, d, dtype=grouped.dtype, device=q.device)
             for g0 in range(0, g, step):  # a suffix's chunks of query rows: views read and written in place
@@ -99,7 +108,7 @@ class StackedLaunch:
         """CPU: the C++ logits of the stacked rows (and the loose rows' own scores), one float32 softmax over prompt
         and tail, the C++ ``weights · values``; a long suffix in chunks of query rows."""
         r, h, g, d = grouped.shape
-        unit = self.units[0]
+        unit = self.units[0] if self.units else None  # (rows alone: possibly none stacked)
         width = self.s_max + self.length
         step = max(1, min(g, self.work_bytes // max(1, 3 * r * h * width * 4)))
         outs = [self._attend_cpu_rows(grouped[:, :, g0:g0 + step], q_len, g0, unit) for g0 in range(0, g, step)]
@@ -108,17 +117,17 @@ class StackedLaunch:
     def _attend_cpu_rows(self, grouped: torch.Tensor, q_len: int, g0: int, unit: dict) -> torch.Tensor:
         r, h, g, d = grouped.shape
         n = len(self.stacked)
-        keys, values = unit["keys"], unit["values"]
-        if n == r:  # every row stacked: prompt and tail in the same two kernel calls
-            scores = dispatch.stack_logits(keys, grouped, self.tail_keys, self.length, q_len, g0)
+        if n == r and not self.alone:  # every row stacked: prompt and tail in the same two kernel calls (rows
+            # alone, BatchedLayer's ``alone``: always the path below, so a row's sums do not depend on its neighbours)
+            scores = dispatch.stack_logits(unit["keys"], grouped, self.tail_keys, self.length, q_len, g0)
             self._mask_invalid(scores)
-            return dispatch.stack_apply(values, scores.softmax(dim=-1), self.tail_values, self.length)
+            return dispatch.stack_apply(unit["values"], scores.softmax(dim=-1), self.tail_values, self.length)
         mine = grouped[:n] if self.prefix else grouped.index_select(0, self.stacked_index)
-        prompt = dispatch.stack_logits(keys, mine, g0=g0)
+        prompt = [dispatch.stack_logits(unit["keys"], mine, g0=g0)] if n else []
         pad = [torch.nn.functional.pad(self.rows[i].prompt_scores(grouped[i:i + 1]),
                                        (0, self.s_max - self.rows[i].key_store.length), value=float("-inf"))
                for i in self.loose]
-        prompt = torch.cat([prompt, *pad])
+        prompt = torch.cat([*prompt, *pad])
         if self.order is not None:
             prompt = prompt.index_select(0, self.order)
         self._mask_invalid(prompt)
@@ -131,7 +140,7 @@ class StackedLaunch:
         weights = torch.cat([prompt, tail], dim=-1).softmax(dim=-1)
         w_prompt, w_tail = weights[..., :self.s_max], weights[..., self.s_max:]
         mine = w_prompt[:n] if self.prefix else w_prompt.index_select(0, self.stacked_index)
-        parts = [dispatch.stack_apply(values, mine)]
+        parts = [dispatch.stack_apply(unit["values"], mine)] if n else []
         for i in self.loose:
             store = self.rows[i].value_store
             parts.append(w_prompt[i:i + 1, ..., :store.length] @ store.materialize().float())
