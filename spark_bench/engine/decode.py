@@ -9,9 +9,10 @@ A row may first run a *suffix* through its compressed cache (``compress_scope`` 
 end of turn, the assistant header, the answer prefix, and under ``context`` the question): one forward over the
 suffix tokens of every row (rows with equal suffix lengths batch together), whose last logits give the first answer
 token, as the official kvpress pipeline's ``generate_answer`` does. Suffix tokens join the dense decoded tail.
-:func:`prime_rows` runs each row's suffix on its own instead, before the batch: the row keeps the suffix's keys and
-values and its last logits, so a later teacher-forced pass (:mod:`~spark_bench.engine.fidelity`) continues from them
-instead of running the suffix again, with numbers that do not depend on which rows were batched together.
+:func:`prime_rows` runs the suffixes before the batch instead, in forwards of a fixed shape: each row keeps its
+suffix's keys and values and last logits, so a later teacher-forced pass (:mod:`~spark_bench.engine.fidelity`)
+continues from them instead of running the suffix again, with numbers that do not depend on which rows were batched
+together.
 """
 
 from __future__ import annotations
@@ -266,14 +267,14 @@ def decode_rows(model: nn.Module, rows: list[DecodeRow], stack: bool = True,
     for row in rows:
         if not row.suffix and row.first_logits is None:
             raise ValueError("a decode row needs first_logits or a suffix to run through its cache")
-        by_suffix.setdefault((len(row.suffix), _tail_length(row.tail)), []).append(row)
+        by_suffix.setdefault((len(row.suffix), tail_length(row.tail)), []).append(row)
     for group in by_suffix.values():
         order = BatchedCache.order([row.cache for row in group], stack)
         _decode_batch(model, [group[i] for i in order], stack, release, graph, checks)
     return rows
 
 
-def _tail_length(tail: list | None) -> int:
+def tail_length(tail: list | None) -> int:
     """Tokens a row's tail starts with (:func:`prime_rows`); rows of one batch advance in lockstep from equal tails."""
     return 0 if tail is None else tail[0][0].shape[-2]
 

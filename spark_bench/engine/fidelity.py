@@ -15,11 +15,11 @@ The first answer token comes from exactly the logits decoding takes it from: und
 full-cache prefill's (every config's first position is then the full cache's, KL 0 there), else the last logits
 of the suffix run through the compressed cache (:mod:`~spark_bench.engine.decode`). Every later position is one
 forward over ``suffix + tokens`` through a :class:`~spark_bench.engine.cache.BatchedCache` of every row (over the
-``tokens`` alone when decoding left the row its suffix's keys and values, :func:`~spark_bench.engine.decode.
-prime_rows`: the suffix, most of a short answer's pass, then runs once per row, not twice), with the attention
-decoding runs (stacked rows share one kernel call per layer, the same dense tail, the same merge), only
-with several query tokens per row, causal among themselves. Rows are right-padded to one length; padding comes after
-every position read, so under causal attention it changes nothing that is read.
+``tokens`` alone when decoding left the row its suffix's keys and values,
+:func:`~spark_bench.engine.decode.prime_rows`: the suffix, most of a short answer's pass, then runs once per row,
+not twice), with the attention decoding runs (stacked rows share one kernel call per layer, the same dense tail,
+the same merge), only with several query tokens per row, causal among themselves. Rows are right-padded to one
+length; padding comes after every position read, so under causal attention it changes nothing that is read.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import nn
 
 from spark_bench.engine.attention import compressed_attention_enabled
 from spark_bench.engine.cache import BatchedCache, CompressedCache
-from spark_bench.engine.decode import fixed_groups, group_size
+from spark_bench.engine.decode import fixed_groups, group_size, tail_length
 from spark_bench.engine.fastpaths import FastPaths
 
 KL_TOKENS = 16  # positions of the full cache's greedy continuation that kl_full / agree_full compare
@@ -102,8 +102,8 @@ def iter_forced_log_probs(model: nn.Module, rows: list[ForcedRow], stack: bool =
     for i, row in enumerate(rows):
         if not row.suffix and row.first_logits is None:
             raise ValueError("a teacher-forced row needs first_logits or a suffix to run through its cache")
-        tail = 0 if row.tail is None else row.tail[0][0].shape[-2]  # a batch's tails start equally long
-        groups.setdefault((len(row.suffix), tail, row.cache.attention), []).append(i)  # and have one attention mode
+        # a batch's tails start equally long and it has one attention mode
+        groups.setdefault((len(row.suffix), tail_length(row.tail), row.cache.attention), []).append(i)
     device = model.get_input_embeddings().weight.device
     split = _output_head(model)
     for (n, _, _), members in groups.items():
@@ -194,9 +194,9 @@ def measure(model: nn.Module, rows: list[ForcedRow], reference: list[int], greed
     differ; ``tests/test_fidelity.py``). ``configs`` (a sweep's pass: its number of configs): the continuations in
     forwards of exactly :func:`~spark_bench.engine.decode.group_size` rows, each fed as many tokens as the sample's
     longest continuation, over a batch of ``width`` (:func:`iter_forced_log_probs`): stacked, yet each row's numbers
-    byte for byte those of any other batching of the sample's rows. Each row's log-probabilities are reduced to its numbers as they
-    come: only the full row's continuation (``(positions, V)``) outlives its forward. ``checks``: the run's fast-path
-    record."""
+    byte for byte those of any other batching of the sample's rows. Each row's log-probabilities are reduced to its
+    numbers as they come: only the full row's continuation (``(positions, V)``) outlives its forward. ``checks``: the
+    run's fast-path record."""
     greedy_fed = list(greedy[:tokens - 1])
     answer_fed = list(reference[:-1])
     compared = full is not None or full_log_probs is not None

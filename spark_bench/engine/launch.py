@@ -14,8 +14,8 @@ holds the rows (:class:`~spark_bench.engine.cache.BatchedLayer`) and from the ke
   rows.
 
 :class:`StackedLaunch` is a mixin of ``BatchedLayer``: it reads the layer's ``units`` (stacks, row index, tables),
-``tail_keys``/``tail_values``, ``length``/``length_t``, ``pending``, ``valid_bits``, ``s_max``, ``alone`` and its row order
-(``stacked``, ``loose``, ``prefix``, ``order``, ``stacked_index``, ``out_order``), which the layer builds in
+``tail_keys``/``tail_values``, ``length``/``length_t``, ``pending``, ``valid_bits``, ``s_max``, ``alone`` and its row
+order (``stacked``, ``loose``, ``prefix``, ``order``, ``stacked_index``, ``out_order``), which the layer builds in
 ``_arrange``, and calls its per-row path (``_attend_rows``) for loose rows. It imports nothing from the cache module.
 """
 
