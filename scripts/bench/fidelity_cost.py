@@ -102,7 +102,7 @@ def main() -> None:
                                       mode == "on_per_row"))
     shutil.rmtree(scratch, ignore_errors=True)
     identical = all(r["tokens"] == runs["off"][0]["tokens"] for rs in runs.values() for r in rs)
-    median = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "tokens"}
+    median = {mode: {k: round(statistics.median(r[k] for r in rs), 2) for k in rs[0] if k != "tokens"}
               for mode, rs in runs.items()}
     on, off = median["on"], median["off"]
     entry = {
