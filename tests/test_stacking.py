@@ -153,6 +153,31 @@ def test_segment_stack_reads_the_rows_stores_in_place():
     assert tables.nbytes() < 0.1 * sum(s.nbytes() for s in stores)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_value_sparse_rows_join_the_cpp_value_stack(dtype):
+    """Mustafar's values (kept entries + masks, ties kept: tokens keep different counts), alone and with its dense
+    window (a second segment of each head), beside dense and shared values in one ``pv_segments`` call, with a
+    decoded tail: equal to the weights times the rebuilt values (float32 sums; 1e-5 relative)."""
+    g = torch.Generator().manual_seed(8)
+    grid = lambda *shape: (torch.randn(*shape, generator=g) * 2).round().div(2).to(dtype)  # noqa: E731 (ties)
+    shared = DenseStore(grid(1, 2, 60, 64))
+    stores = [prune_store(grid(1, 2, 70, 64), 0.6), prune_store(grid(1, 2, 50, 64), 0.5, window=0), shared,
+              DenseStore(grid(1, 2, 40, 64)), shared]
+    assert isinstance(stores[0], WindowedStore) and stores[0].old.row_kept is None  # (ragged, windowed)
+    stack = ValueStack(stores, 70)
+    assert stack.sparse and stores[0].old.kept.data_ptr() in [p.data_ptr() for p in stack.parts]  # read in place
+    assert dispatch.value_blocker(stores[0], "cpp") is None and dispatch.value_blocker(stores[0], "triton")
+    weights = torch.softmax(torch.randn(5, 2, 3, 70 + 4, generator=g), -1)
+    for i, store in enumerate(stores):
+        weights[i, ..., store.length:70] = 0
+    tail = grid(5, 2, 6, 64)
+    out = dispatch.stack_apply(stack, weights, tail, 4)
+    for i, store in enumerate(stores):
+        ref = weights[i:i + 1, ..., :store.length].double() @ store.materialize().double() + \
+            weights[i:i + 1, ..., 70:].double() @ tail[i:i + 1, :, :4].double()
+        assert ((out[i:i + 1].double() - ref).abs().max() / ref.abs().max()) < 1e-5, i
+
+
 def test_value_stack_stores_shared_values_once():
     g = torch.Generator().manual_seed(2)
     shared, own = DenseStore(torch.randn(1, 2, 30, 64, generator=g)), DenseStore(torch.randn(1, 2, 50, 64, generator=g))

@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from spark_bench.storage.segments import FusedTables, SegmentStack, ValueStack, store_blocker
+from spark_bench.storage.sparse_values import value_parts
 from spark_bench.storage.stores import DenseStore, dense_logits
 from spark_bench.storage.windowed import WindowedStore
 
@@ -113,19 +114,24 @@ def compact_logits(store, queries: torch.Tensor) -> torch.Tensor:
 
 
 def value_blocker(store, backend: str, warn: bool = False) -> str | None:
-    """Which path a row's *value* store takes, said once and explicitly (None: the stacked kernels, which read dense
-    value tensors: the C++ ``pv_segments`` on the CPU, the fused kernel's value loop on CUDA). A value-sparse store
-    (``value_ratio > 0``: SparK's Appendix D values, Mustafar's values; kept entries + a D-bit mask, pruned = 0,
-    alone or in a :class:`~.windowed.WindowedStore`) has no stacked kernel yet: the row decodes on the per-row path,
-    its values rebuilt per step from the compact store (the stored bytes are the compact ones). ``backend``: the
-    layer's :func:`compact_backend`. ``warn``: say it once per reason (:func:`fallback`), as a decode batch does."""
+    """Which path a row's *value* store takes, said once and explicitly (None: the stacked kernels: the C++
+    ``pv_segments`` on the CPU, dense or value-sparse; the fused kernel's value loop on CUDA, dense only). A
+    value-sparse store (``value_ratio > 0``: SparK's Appendix D values, Mustafar's values; kept entries + a D-bit mask,
+    pruned = 0, alone or in a :class:`~.windowed.WindowedStore`) has no fused member yet: on CUDA the row decodes on
+    the per-row path, its values rebuilt per step from the compact store (the stored bytes are the compact ones); so
+    does a value store whose pruned entries are not zeros. ``backend``: the layer's :func:`compact_backend`.
+    ``warn``: say it once per reason (:func:`fallback`), as a decode batch does."""
     if isinstance(store, DenseStore):
         return None
-    if backend == "triton":
+    try:
+        value_parts(store)
+    except (ValueError, TypeError) as err:
+        reason = f"value store not read by the stacked kernels ({err}): per-row path, values rebuilt per step"
+    else:
+        if backend != "triton":
+            return None
         reason = ("value channels are pruned: the fused CUDA kernel has no value-sparse member kind yet "
                   "(spark_bench/storage/sparse_values.py describes it); per-row path, values rebuilt per step")
-    else:
-        reason = "value channels are pruned: per-row path, values rebuilt per step from the compact store"
     if warn:
         fallback(reason)
     return reason
@@ -163,8 +169,8 @@ def stack_apply(stack: ValueStack, weights: torch.Tensor, tail: torch.Tensor | N
     n, h, g, w = weights.shape
     flat = weights.reshape(n * h, g, w)
     tail_flat = tail.reshape(n * h, tail.shape[2], stack.head_dim) if tail_len else _EMPTY
-    out = load_kernel().pv_segments(flat.contiguous(), stack.table, stack.parts, stack.head_dim, tail_flat,
-                                    stack.width, tail_len)
+    out = load_kernel().pv_segments(flat.contiguous(), stack.table, stack.parts, stack.mask_parts,
+                                    stack.head_dim, tail_flat, stack.width, tail_len)
     return out.view(n, h, g, stack.head_dim)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from spark_bench.storage.bits import pack_bits, tensor_bytes
+from spark_bench.storage.sparse_values import value_parts
 from spark_bench.storage.stores import DenseStore, StructuredKeyStore, UnstructuredStore, channel_index_dtype
 from spark_bench.storage.walk_layout import WALK_TABLE_BYTES, walk_table, walks
 from spark_bench.storage.windowed import WindowedStore
@@ -240,44 +241,61 @@ class SegmentStack:
 
 
 class ValueStack:
-    """The dense value tensors of several rows, each read once however many rows share it (configs sharing an
-    eviction selection share its values), with one value segment per (row, kv-head): the C++ ``pv_segments`` computes
-    ``weights · values`` for every row in one call, the fused Triton decode reads each shared tensor once per work
-    item. The tensors are parts read in place, never copied."""
+    """The value stores of several rows, with one value segment per (row, kv-head, layout): dense tensors, each read
+    once however many rows share it (configs sharing an eviction selection share its values), and value-sparse stores
+    (``value_ratio`` > 0: kept entries + a D-bit mask per token, pruned entries 0, and Mustafar's dense window after
+    them as a second, dense segment of the head). The C++ ``pv_segments`` computes ``weights · values`` for every row
+    in one call; the fused Triton decode reads each shared dense tensor once per work item (it has no value-sparse
+    member yet: such rows stay on its per-row path, :func:`~.dispatch.value_blocker`). The tensors are parts read in
+    place, never copied."""
 
     def __init__(self, stores: list, width: int):
-        first = stores[0].data
-        self.heads, self.head_dim, self.width = first.shape[1], first.shape[-1], width
-        self.device, self.dtype = first.device, first.dtype
+        self.heads, self.head_dim, self.width = stores[0].shape[1], stores[0].shape[-1], width
+        self.dtype = stores[0].dtype
         unique: dict[int, int] = {}
-        self.parts, strided, rows, qh = [], [], [], 0  # strided: each part's per-head offsets
+        self.parts, self.mask_parts, strided, rows, qh = [], [], [], [], 0  # strided: each part's per-head offsets
+        self.sparse = False  # some segment is value-sparse (the C++ kernel reads it; the fused kernel does not)
         for store in stores:
-            data = store.data
-            b, h, s, d = data.shape
+            b, h, _, d = store.shape
             if (h, d) != (self.heads, self.head_dim):
                 raise ValueError(f"value stores of one stack need {self.heads} heads of {self.head_dim} channels")
-            if id(data) not in unique:
-                if data.stride(-1) != 1 or (s > 1 and data.stride(-2) != d):
-                    data = data.contiguous()
-                unique[id(store.data)] = len(self.parts)
-                self.parts.append(data)
-                strided.append([(i // h) * data.stride(0) + (i % h) * data.stride(1) for i in range(b * h)])
-            part = unique[id(store.data)]
-            for i in range(b * h):
-                rows.append((qh + i, 0, s, part, strided[part][i]))
+            compact, dense = value_parts(store)
+            n_old = 0
+            if compact is not None:  # each head's tokens from its first kept entry, its masks D/8 bytes per token
+                n_old = compact.length
+                counts = compact.kept_mask().sum((-1, -2), dtype=torch.int64).reshape(-1)
+                first_entry = (counts.cumsum(0) - counts).tolist()
+                kept, masks = len(self.parts), len(self.mask_parts)
+                self.parts.append(compact.kept)
+                self.mask_parts.append(compact.mask_bits.reshape(-1))
+                rows += [(qh + i, 0, n_old, kept, first_entry[i], masks, i * n_old * (d // 8)) for i in range(b * h)]
+                self.sparse = True
+            if dense is not None and dense.shape[-2]:
+                if id(dense) not in unique:
+                    data = dense
+                    if data.stride(-1) != 1 or (data.shape[-2] > 1 and data.stride(-2) != d):
+                        data = data.contiguous()
+                    unique[id(dense)] = len(self.parts)
+                    self.parts.append(data)
+                    strided.append((len(self.parts) - 1, [(i // h) * data.stride(0) + (i % h) * data.stride(1)
+                                                          for i in range(b * h)]))
+                part = unique[id(dense)]
+                offsets = next(o for p, o in strided if p == part)
+                rows += [(qh + i, n_old, dense.shape[-2], part, offsets[i], -1, 0) for i in range(b * h)]
             qh += b * h
-        self.row_heads = first.shape[0] * first.shape[1]
+        self.device = self.parts[0].device
+        self.row_heads = stores[0].shape[0] * stores[0].shape[1]
         self._set_rows(rows)
 
     def _set_rows(self, rows: list[tuple]) -> None:
-        """``rows``: (qh, w_off, n, part, offset in the part)."""
+        """``rows``: (qh, w_off, n, part, offset in the part, mask part (−1: dense), mask byte offset)."""
         rows = sorted(rows, key=lambda r: (r[3], r[4], r[2]))  # one tensor's segments adjacent: read once per run
         self._rows = rows
 
     @functools.cached_property
     def table(self) -> torch.Tensor:
         """The C++ ``pv_segments`` table (made on first use)."""
-        return torch.tensor(self._rows, dtype=torch.int64, device=self.device).reshape(-1, 5)
+        return torch.tensor(self._rows, dtype=torch.int64, device=self.device).reshape(-1, 7)
 
 
 def _address(part: torch.Tensor, offset: int) -> int:
@@ -373,7 +391,10 @@ class FusedTables:
             else:
                 second[qh], split[qh] = len(seg_rows) - 1, out_off
         groups: dict = {}
-        for qh, _, n, part, offset in values._rows:
+        if values.sparse:
+            raise ValueError("the fused decode reads dense value tensors: a value-sparse row decodes on its per-row "
+                             "path (dispatch.value_blocker)")
+        for qh, _, n, part, offset, _, _ in values._rows:
             groups.setdefault((part, offset, n), []).append(qh)
         tokens, chunks = [0] * n_heads, [1] * n_heads
         for (_, _, n), m in groups.items():

@@ -9,8 +9,9 @@ itself. Mustafar's own format (its ``kernel/compression.py``) is a 64-bit bitmap
 of one channel; values: 64 channels of one token) with the tile's non-zeros padded to a multiple of 8; this one
 has no tiles and no padding, so it is never larger.
 
-Today a row with such values decodes on the per-row path (:func:`~.dispatch.value_blocker` says so, once). The
-fused CUDA kernel needs one more member kind to read it in place; this module is what that kind reads
+On the CPU such a row stacks: the C++ ``pv_segments`` reads its kept entries and masks in place
+(:class:`~.segments.ValueStack`; Mustafar's window a dense segment after them). On CUDA it decodes on the per-row
+path (:func:`~.dispatch.value_blocker` says so, once): the fused kernel needs one more member kind to read it in place; this module is what that kind reads
 (:class:`ValueSegments`: per query head the addresses of its kept entries and mask, and where each 32-token block's
 entries start, since tied magnitudes let tokens keep different counts) and what it computes
 (:func:`block_values`, :func:`sparse_weighted_sum`: ``weights · values`` rebuilt block by block, never an

@@ -262,30 +262,55 @@ torch::Tensor spark_segments(torch::Tensor q, torch::Tensor aux_scale, torch::Te
 }
 
 // Weights · values over value segments: out[qh][g][c] = Σ_t w[qh][g][w_off + t] · v[val_off + t·D + c].
-// One value segment per query head (a row's kv-head reads its own, or a shared, value tensor); float32 accumulation
-// in token order. Segments sharing a value tensor are adjacent in the table and computed in one pass over it.
-enum { PV_QH = 0, PV_W_OFF, PV_N_TOK, PV_VAL_PART, PV_VAL_OFF, PV_COLS };
+// A value segment is a run of one query head's tokens: dense rows (a row's kv-head reads its own, or a shared, value
+// tensor), or value-sparse (MASK_PART ≥ 0: Mustafar's values, value_ratio > 0): per token a D-bit mask and its kept
+// entries flat in channel order, pruned entries 0, walked in token order from the head's first entry. A head may have
+// two segments (Mustafar's sparse tokens, then its dense window at w_off = their count): each segment's sum is
+// computed on its own, then a head's segments and its decoded tail are added in table order. float32 accumulation in
+// token order. Dense segments sharing a value tensor are adjacent in the table and computed in one pass over it.
+enum { PV_QH = 0, PV_W_OFF, PV_N_TOK, PV_VAL_PART, PV_VAL_OFF, PV_MASK_PART, PV_MASK_OFF, PV_COLS };
 
 template <typename scalar_t>
 static void run_pv(const float* w, const int64_t* table, int64_t nseg, const std::vector<const scalar_t*>& values,
-                   int64_t G,
+                   const std::vector<const uint8_t*>& masks, int64_t heads, int64_t G,
                    int64_t W, int64_t D, const scalar_t* tail, int64_t tail_cap, int64_t tail_start,
                    int64_t tail_len, float* out) {
-  // runs of consecutive segments reading the same value tensor (the caller orders the table so): the tensor is read
-  // once per run, each of its tokens weighted into every segment of the run (as a GEMM would)
+  // runs of consecutive dense segments reading the same value tensor (the caller orders the table so): the tensor is
+  // read once per run, each of its tokens weighted into every segment of the run (as a GEMM would); a value-sparse
+  // segment is a run of its own
+  const int64_t nbytes = D / 8, words = (D + 63) / 64;
+  auto sparse = [&](int64_t s) { return table[s * PV_COLS + PV_MASK_PART] >= 0; };
   std::vector<int64_t> runs{0};
   for (int64_t s = 1; s < nseg; ++s)
-    if (table[s * PV_COLS + PV_VAL_OFF] != table[(s - 1) * PV_COLS + PV_VAL_OFF]
+    if (sparse(s) || sparse(s - 1)
+        || table[s * PV_COLS + PV_VAL_OFF] != table[(s - 1) * PV_COLS + PV_VAL_OFF]
         || table[s * PV_COLS + PV_VAL_PART] != table[(s - 1) * PV_COLS + PV_VAL_PART]
         || table[s * PV_COLS + PV_N_TOK] != table[(s - 1) * PV_COLS + PV_N_TOK]) runs.push_back(s);
   runs.push_back(nseg);
+  std::vector<float> sums(nseg * G * D, 0.f);  // each segment's Σ_t w · v
   at::parallel_for(0, (int64_t)runs.size() - 1, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc, vt(D);
+    std::vector<float> vt(D);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t first = runs[r], count = runs[r + 1] - first;
       const int64_t* seg0 = table + first * PV_COLS;
-      acc.assign(count * G * D, 0.f);
       const scalar_t* v = values[seg0[PV_VAL_PART]] + seg0[PV_VAL_OFF];
+      if (seg0[PV_MASK_PART] >= 0) {  // value-sparse: token t's kept entries start where t − 1's ended
+        const uint8_t* m = masks[seg0[PV_MASK_PART]] + seg0[PV_MASK_OFF];
+        const float* wh = w + seg0[PV_QH] * G * W + seg0[PV_W_OFF];
+        float* a = sums.data() + first * G * D;
+        int64_t at = 0;
+        for (int64_t t = 0; t < seg0[PV_N_TOK]; ++t) {
+          for (int64_t k = 0; k < words; ++k) {
+            const uint64_t bits0 = load_word(m + t * nbytes + 8 * k, (int)std::min<int64_t>(8, nbytes - 8 * k));
+            for (uint64_t bits = bits0; bits; bits &= bits - 1) {
+              const int64_t c = 64 * k + __builtin_ctzll(bits);
+              const float x = static_cast<float>(v[at++]);
+              for (int64_t g = 0; g < G; ++g) a[g * D + c] += wh[g * W + t] * x;
+            }
+          }
+        }
+        continue;
+      }
       for (int64_t t = 0; t < seg0[PV_N_TOK]; ++t) {
         for (int64_t c = 0; c < D; ++c) vt[c] = static_cast<float>(v[t * D + c]);
         for (int64_t i = 0; i < count; ++i) {
@@ -294,33 +319,40 @@ static void run_pv(const float* w, const int64_t* table, int64_t nseg, const std
           for (int64_t g = 0; g < G; ++g) {
             const float wt = wh[g * W];
             if (wt == 0.f) continue;
-            float* a = acc.data() + (i * G + g) * D;
+            float* a = sums.data() + ((first + i) * G + g) * D;
 #pragma omp simd
             for (int64_t c = 0; c < D; ++c) a[c] += wt * vt[c];
           }
         }
       }
-      for (int64_t i = 0; i < count; ++i) {  // each segment's own decoded tail: weights at tail_start + t
-        const int64_t h = table[(first + i) * PV_COLS + PV_QH];
-        const float* wtail = w + h * G * W + tail_start;
-        for (int64_t t = 0; t < tail_len; ++t) {
-          const scalar_t* tv = tail + (h * tail_cap + t) * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const float wt = wtail[g * W + t];
-            if (wt == 0.f) continue;
-            float* a = acc.data() + (i * G + g) * D;
+    }
+  });
+  std::vector<std::vector<int64_t>> of_head(heads);  // each head's segments, in table order
+  for (int64_t s = 0; s < nseg; ++s) of_head[table[s * PV_COLS + PV_QH]].push_back(s);
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      float* o = out + h * G * D;
+      for (const int64_t s : of_head[h])
+        for (int64_t k = 0; k < G * D; ++k) o[k] += sums[s * G * D + k];
+      if (of_head[h].empty()) continue;
+      const float* wtail = w + h * G * W + tail_start;  // the head's own decoded tail: weights at tail_start + t
+      for (int64_t t = 0; t < tail_len; ++t) {
+        const scalar_t* tv = tail + (h * tail_cap + t) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float wt = wtail[g * W + t];
+          if (wt == 0.f) continue;
+          float* a = o + g * D;
 #pragma omp simd
-            for (int64_t c = 0; c < D; ++c) a[c] += wt * static_cast<float>(tv[c]);
-          }
+          for (int64_t c = 0; c < D; ++c) a[c] += wt * static_cast<float>(tv[c]);
         }
-        std::memcpy(out + h * G * D, acc.data() + i * G * D, G * D * sizeof(float));
       }
     }
   });
 }
 
-torch::Tensor pv_segments(torch::Tensor w, torch::Tensor table, std::vector<torch::Tensor> values, int64_t D,
-                          torch::Tensor tail, int64_t tail_start, int64_t tail_len) {
+torch::Tensor pv_segments(torch::Tensor w, torch::Tensor table, std::vector<torch::Tensor> values,
+                          std::vector<torch::Tensor> masks, int64_t D, torch::Tensor tail, int64_t tail_start,
+                          int64_t tail_len) {
   TORCH_CHECK(w.is_contiguous() && table.is_contiguous() && !values.empty());
   TORCH_CHECK(w.scalar_type() == at::kFloat, "weights must be float32");
   TORCH_CHECK(table.size(1) == PV_COLS, "value segment table needs ", (int)PV_COLS, " columns");
@@ -329,9 +361,9 @@ torch::Tensor pv_segments(torch::Tensor w, torch::Tensor table, std::vector<torc
                             && tail.size(0) == heads && tail_start + tail_len <= W), "tail values must be (QH, cap, D)");
   auto out = torch::zeros({heads, G, D}, w.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values[0].scalar_type(), "pv_segments", [&] {
-    run_pv<scalar_t>(w.data_ptr<float>(), table.data_ptr<int64_t>(), table.size(0), pointers<scalar_t>(values), G,
-                     W, D, tail_len ? tail.data_ptr<scalar_t>() : (scalar_t*)nullptr, tail_len ? tail.size(1) : 0,
-                     tail_start, tail_len, out.data_ptr<float>());
+    run_pv<scalar_t>(w.data_ptr<float>(), table.data_ptr<int64_t>(), table.size(0), pointers<scalar_t>(values),
+                     pointers<uint8_t>(masks), heads, G, W, D, tail_len ? tail.data_ptr<scalar_t>() : (scalar_t*)nullptr,
+                     tail_len ? tail.size(1) : 0, tail_start, tail_len, out.data_ptr<float>());
   });
   return out;
 }
