@@ -69,12 +69,14 @@ class ValueSegments:
     * ``n_old`` / ``n_recent``: the compact tokens and the dense window's tokens (``WindowedStore``), the window
       read as a dense value run after the compact ones.
 
-    Hook (for the lead's kernel rewrite): ``segments.ValueStack`` gets, per value segment, a kind bit (dense |
-    sparse) and these four columns; ``FusedTables.layout`` packs ``kept_addr``, ``mask_addr`` and the
-    ``block_start`` row's address beside ``val_addr``; the partials kernel's value accumulation (today one dense
-    ``(32, D)`` load per block and member list) rebuilds the block with :func:`block_values`'s arithmetic before the
-    ``weights · values`` product; ``cache.stackable`` then stops refusing the row (:func:`~.dispatch.value_blocker`
-    returns None for ``backend == "triton"``). :func:`sparse_weighted_sum` is the reference the kernel must match.
+    Hook (for the fused kernel): ``segments.ValueStack`` already holds value-sparse segments (kept part and head
+    offset, mask part and byte offset; the C++ ``pv_segments`` reads them) and refuses them to ``FusedTables``; the
+    fused member needs ``FusedTables.layout`` to pack the kept, mask and granule-start addresses
+    (:func:`~.segments.granule_starts` serves values as it serves ragged keys) and the window's split beside
+    ``val_addr``, and the partials kernel's value load (one dense ``(32, D)`` load per block and member list) to
+    rebuild a sparse item's block as :func:`~.triton_compact._keys` rebuilds keys without recovery (its ``SECOND``
+    dense rows: the window); :func:`~.dispatch.value_blocker` then returns None for ``backend == "triton"``.
+    :func:`sparse_weighted_sum` is the reference the kernel must match.
     """
 
     kept_off: torch.Tensor     # (heads,) int64
