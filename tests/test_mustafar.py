@@ -19,6 +19,7 @@ import spark_bench
 from spark_bench.engine.cache import StoredLayer, stackable
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.channel.mustafar import prune_store
+from spark_bench.methods.channel.recovery import TokenFill
 from spark_bench.storage import dispatch
 from spark_bench.storage.segments import PART_COLUMNS, SegmentStack, store_blocker
 from spark_bench.storage.sparse_values import ValueSegments, sparse_weighted_sum
@@ -147,7 +148,7 @@ def test_after_snapkv_the_rule_prunes_the_kept_tokens(tiny_prefill):
     assert cache.nbytes() < base.nbytes()
 
 
-def test_keys_are_the_bare_kind_and_sparse_values_take_a_named_path():
+def test_keys_are_the_bare_kind_and_sparse_values_stack():
     g = torch.Generator().manual_seed(5)
     keys, values = torch.randn(1, 2, 70, 64, generator=g), torch.randn(1, 2, 70, 64, generator=g)
     bare = prune_store(keys, 0.5, window=0)  # no window: one compact key store, pruned entries 0
@@ -164,15 +165,18 @@ def test_keys_are_the_bare_kind_and_sparse_values_take_a_named_path():
     assert stackable(StoredLayer(windowed.key_store, DenseStore(values)), "cpp") is None
     sparse = StoredLayer(bare, prune_store(values, 0.5))
     assert dispatch.value_blocker(DenseStore(values), "triton") is None
-    assert stackable(sparse, "cpp") is None  # the C++ pv_segments reads value-sparse segments (test_stacking.py)
-    assert "no value-sparse member kind yet (spark_bench/storage/sparse_values.py" in stackable(sparse, "triton")
-    # a decode batch says why a Mustafar row leaves the stacks, keys and values: never silently
-    for reason in (stackable(windowed, "triton"), dispatch.value_blocker(windowed.value_store, "triton")):
-        dispatch._seen_fallbacks.discard(reason)
+    assert stackable(sparse, "cpp") is None and stackable(sparse, "triton") is None  # both stacked kernels read
+    # value-sparse segments (tests/test_stacking.py); a value store refilled with its mean does not stack
+    mean = UnstructuredStore.from_mask(values, prune_store(values, 0.5, window=0).kept_mask(),
+                                       TokenFill(values.mean(-1)))
+    assert "per-row path, values rebuilt per step" in dispatch.value_blocker(mean, "triton")
+    # a decode batch says why a row leaves the stacks: never silently
+    refilled = StoredLayer(windowed.key_store, mean)
+    dispatch._seen_fallbacks.discard(dispatch.value_blocker(mean, "triton"))
     with pytest.warns(UserWarning) as record:
-        stackable(windowed, "triton", warn=True)
+        assert stackable(refilled, "triton", warn=True)
     said = " | ".join(str(w.message) for w in record)
-    assert "no value-sparse member kind yet" in said and "key" not in said
+    assert "pruned entries are zeros" in said and "key" not in said
     # the per-row path's keys: the compact part through the C++ kernel, the window as plain rows
     q = torch.randn(1, 2, 3, 64, generator=g)
     store = windowed.key_store

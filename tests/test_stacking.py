@@ -166,7 +166,7 @@ def test_value_sparse_rows_join_the_cpp_value_stack(dtype):
     assert isinstance(stores[0], WindowedStore) and stores[0].old.row_kept is None  # (ragged, windowed)
     stack = ValueStack(stores, 70)
     assert stack.sparse and stores[0].old.kept.data_ptr() in [p.data_ptr() for p in stack.parts]  # read in place
-    assert dispatch.value_blocker(stores[0], "cpp") is None and dispatch.value_blocker(stores[0], "triton")
+    assert dispatch.value_blocker(stores[0], "cpp") is None and dispatch.value_blocker(stores[0], "triton") is None
     weights = torch.softmax(torch.randn(5, 2, 3, 70 + 4, generator=g), -1)
     for i, store in enumerate(stores):
         weights[i, ..., store.length:70] = 0
@@ -202,7 +202,7 @@ def _float64_attention(store, value, queries, tail_k, tail_v, filled, q_len, val
     visible = torch.ones(q_len, filled, dtype=torch.bool, device=queries.device).tril(filled - q_len)
     tail = tail.view(b, h, gq // q_len, q_len, filled).masked_fill(~visible, float("-inf")).view(b, h, gq, filled)
     weights = torch.cat([prompt, tail], -1).softmax(-1)
-    return weights @ torch.cat([value.data, tail_v[:, :, :filled]], -2).double()
+    return weights @ torch.cat([value.materialize(), tail_v[:, :, :filled]], -2).double()
 
 
 @pytest.mark.parametrize("q_len", [1, 3])
@@ -260,6 +260,10 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
     stores = _stores(dtype, head_dim, group, kinds, seed=3, device=DEVICE)
     g = torch.Generator().manual_seed(4)
     values = [DenseStore(torch.randn(1, 2, s.length, head_dim, generator=g).to(DEVICE, dtype)) for s in stores]
+    if only is None:  # two rows' values value-sparse (Mustafar's, ties kept), one with its dense window, one without
+        for i, window in ((1, 32), (2, 0)):
+            x = (torch.randn(1, 2, stores[i].length, head_dim, generator=g) * 2).round().div(2).to(DEVICE, dtype)
+            values[i] = prune_store(x, 0.5, window=window)
     shared = DenseStore(torch.randn(1, 2, 60, head_dim, generator=g).to(DEVICE, dtype))  # rows sharing values
     same = _stores(dtype, head_dim, group, only or ["spark_official", "think_window", "dense"], seed=5, device=DEVICE,
                    length=60)
@@ -276,6 +280,7 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
     members = triton_kernels.launch_shape(group * q_len)[1]
     tables = FusedTables.build(keys_stack, value_stack, per_head, members, chunk)
     assert tables.ragged == any(k in RAGGED for k in kinds)  # (the kernel's granule starts compiled in)
+    assert tables.vsparse == (only is None)  # (a value-sparse item's values rebuilt from their masks)
     assert tables.walk_tab is None or "spark_p_official" not in kinds  # (a ragged signed segment is not walked)
     work = tables.work.view(-1, WORK_COLS)
     assert work[:, 1].max() > 1 or members == 1  # rows sharing values are served by one work item (read once)

@@ -5,7 +5,7 @@ address multiplies, compile seconds, for bf16 and fp32, a decode step and a 16-t
 results/bench/compile.json. The partials kernel is specialised to the member kinds its tables hold (``KINDS``): every
 launch compiles with all of them (a batch of mixed configs), and a decode step's also with each set one method's rows
 alone launch (:data:`ALONE`), and with ``RAGGED`` (a store whose tokens keep different counts: every kind, and
-Mustafar's bare keys alone)."""
+Mustafar's bare keys alone, with and without ``VSPARSE``: its value-sparse values)."""
 
 import json
 import sys
@@ -36,13 +36,14 @@ def main(out: str = "results/bench/compile.json") -> None:
                 alone = [replace(x, kinds=k) for x in every if x.kernel == "partials" and x.q_len == 1
                          for k in ALONE.values()]
                 ragged = [replace(x, ragged=True) for x in every if x.kernel == "partials"] + [
-                    replace(x, kinds=ALONE["bare"], ragged=True) for x in every
-                    if x.kernel == "partials" and x.q_len == 1]  # (Mustafar's tied stores, SparK-p/-g)
+                    replace(x, kinds=ALONE["bare"], ragged=True, vsparse=vs) for x in every
+                    if x.kernel == "partials" and x.q_len == 1 for vs in (False, True)]  # (Mustafar's tied keys,
+                # SparK-p/-g; with its value-sparse values)
                 for launch in every + alone + ragged:
                     row = asdict(compile_launch(launch, arch))
                     row.pop("sass")
                     row.update(head_dim=head_dim, group=group, q_len=launch.q_len, dtype={2: "bf16", 4: "fp32"}[
-                        itemsize], kinds=launch.kinds, ragged=launch.ragged)
+                        itemsize], kinds=launch.kinds, ragged=launch.ragged, vsparse=launch.vsparse)
                     rows.append(row)
                     print(row, flush=True)
     Path(out).parent.mkdir(parents=True, exist_ok=True)

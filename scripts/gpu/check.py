@@ -364,7 +364,8 @@ def _fused_layer(bench: Bench, ctxs: list, heads: int | None = None) -> dict:
             "fraction_of_peak": nbytes / seconds / peak if peak else None, "error_vs_reference": error,
             "tolerance": TOLERANCE[bench.dtype], "kinds": [k for i, k in enumerate(KINDS) if held >> i & 1],
             "walk": any(getattr(t, "walk_tab", None) is not None for t in tables),
-            "ragged": any(getattr(t, "ragged", False) for t in tables), "attend_kernels": kernels}
+            "ragged": any(getattr(t, "ragged", False) for t in tables),
+            "vsparse": any(getattr(t, "vsparse", False) for t in tables), "attend_kernels": kernels}
 
 
 def _attend_kernels(bench: Bench, layer, query, scaling: float) -> dict:
@@ -415,7 +416,8 @@ KIND_ROWS = ({"name": "snapkv"},                                           # den
              {"name": "snapkv+spark", "ratio": 0.5, "saliency": "paper"},  # a recovery without signs
              {"name": "snapkv+spark", "ratio": 0.8},                       # the official recovery: signs, walked
              {"name": "adasnapkv+spark", "ratio": 0.5},                    # AdaKV's validity bits on a walked row
-             {"name": "snapkv+mustafar", "ratio": 0.5})                    # bare keys; in bfloat16 with ties: ragged
+             {"name": "snapkv+mustafar", "ratio": 0.5, "value_ratio": 0.5})  # bare keys (bf16 ties: ragged), sparse
+# values (VSPARSE)
 KIND_HEAD_DIMS = (32, 128)
 
 

@@ -115,12 +115,12 @@ def compact_logits(store, queries: torch.Tensor) -> torch.Tensor:
 
 def value_blocker(store, backend: str, warn: bool = False) -> str | None:
     """Which path a row's *value* store takes, said once and explicitly (None: the stacked kernels: the C++
-    ``pv_segments`` on the CPU, dense or value-sparse; the fused kernel's value loop on CUDA, dense only). A
-    value-sparse store (``value_ratio > 0``: SparK's Appendix D values, Mustafar's values; kept entries + a D-bit mask,
-    pruned = 0, alone or in a :class:`~.windowed.WindowedStore`) has no fused member yet: on CUDA the row decodes on
-    the per-row path, its values rebuilt per step from the compact store (the stored bytes are the compact ones); so
-    does a value store whose pruned entries are not zeros. ``backend``: the layer's :func:`compact_backend`.
-    ``warn``: say it once per reason (:func:`fallback`), as a decode batch does."""
+    ``pv_segments`` on the CPU, the fused kernel's value loop on CUDA, each reading dense value tensors and
+    value-sparse stores — ``value_ratio > 0``: SparK's Appendix D values, Mustafar's values; kept entries + a D-bit
+    mask, pruned = 0, alone or in a :class:`~.windowed.WindowedStore` — in place). A value store whose pruned entries
+    are not zeros (a ``mean`` refill) decodes on the per-row path, its values rebuilt per step. ``backend``: the
+    layer's :func:`compact_backend` (both stacked kernels read the same layouts). ``warn``: say it once per reason
+    (:func:`fallback`), as a decode batch does."""
     if isinstance(store, DenseStore):
         return None
     try:
@@ -128,10 +128,7 @@ def value_blocker(store, backend: str, warn: bool = False) -> str | None:
     except (ValueError, TypeError) as err:
         reason = f"value store not read by the stacked kernels ({err}): per-row path, values rebuilt per step"
     else:
-        if backend != "triton":
-            return None
-        reason = ("value channels are pruned: the fused CUDA kernel has no value-sparse member kind yet "
-                  "(spark_bench/storage/sparse_values.py describes it); per-row path, values rebuilt per step")
+        return None
     if warn:
         fallback(reason)
     return reason

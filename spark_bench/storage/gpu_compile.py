@@ -45,6 +45,7 @@ class Launch:
     width: int = 32  # structured (ThinK) keys' kept channels, padded (the partials kernel's TK; 0: none)
     kinds: int = ALL_KINDS  # the member kinds its tables hold (the partials kernel's KINDS; no structured bit: TK = 0)
     ragged: bool = False  # a segment whose tokens keep different counts (the partials kernel's RAGGED)
+    vsparse: bool = False  # an item with value-sparse values (the partials kernel's VSPARSE)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def _arguments(launch: Launch):
     tables = SimpleNamespace(seg=packed[:a], head=packed[a:a + b], work=packed[a + b:a + b + c],
                              lists=packed[a + b + c:a + b + c + 2], n_slots=4, n_work=2, members=members,
                              aligned=True, width=launch.width if launch.kinds & 2 else 0, pairs=True,
-                             kinds=launch.kinds, ragged=launch.ragged,
+                             kinds=launch.kinds, ragged=launch.ragged, vsparse=launch.vsparse,
                              walk_tab=packed[:4] if launch.kinds & 16 and walks(d) else None)
     aux = torch.ones(heads, d)
     for kernel, _, args, kwargs in triton_decode.launches(q, 0.088, aux, tables, tail_k, new, new, tail_k, tail_v,

@@ -46,8 +46,10 @@ MODES = {"constant": 0, "aligned": 1, "signed": 2, "dense": 3}
 SEG_COLS = 11   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill,
 #                 chan_addr (a structured segment's kept channels, one index each; a ragged one's granule starts)
 HEAD_COLS = 7   # seg_a, seg_b, split, valid_addr, slot_base, n_slots, n_tokens
-WORK_COLS = 10  # list_start, count, t_start, t_end, val_addr, chunk, then the ends of its kinds' runs of members:
-#                 n_dense, n_struct, n_bare, n_plain (the rest, to count, are signed)
+WORK_COLS = 14  # list_start, count, t_start, t_end, val_addr, chunk, then the ends of its kinds' runs of members:
+#                 n_dense, n_struct, n_bare, n_plain (the rest, to count, are signed); then a value-sparse item's
+#                 mask address (0: dense values), first kept entry's address, granule starts' address and compact
+#                 tokens (val_addr: its dense window)
 # the fused kernel's member loops, in its order: a work item's member of kind k (FusedTables.layout) runs loop k, and
 # a launch's tables hold a set of kinds, a bit each (FusedTables.kinds, the kernel's KINDS)
 KINDS = ("dense", "structured", "bare", "plain", "signed")
@@ -245,16 +247,20 @@ class ValueStack:
     once however many rows share it (configs sharing an eviction selection share its values), and value-sparse stores
     (``value_ratio`` > 0: kept entries + a D-bit mask per token, pruned entries 0, and Mustafar's dense window after
     them as a second, dense segment of the head). The C++ ``pv_segments`` computes ``weights · values`` for every row
-    in one call; the fused Triton decode reads each shared dense tensor once per work item (it has no value-sparse
-    member yet: such rows stay on its per-row path, :func:`~.dispatch.value_blocker`). The tensors are parts read in
-    place, never copied."""
+    in one call; the fused Triton decode reads each shared dense tensor once per work item and gives a value-sparse
+    head items of its own, rebuilding its blocks of values (``VSPARSE``). The tensors are parts read in place, never
+    copied."""
 
     def __init__(self, stores: list, width: int):
         self.heads, self.head_dim, self.width = stores[0].shape[1], stores[0].shape[-1], width
         self.dtype = stores[0].dtype
         unique: dict[int, int] = {}
         self.parts, self.mask_parts, strided, rows, qh = [], [], [], [], 0  # strided: each part's per-head offsets
-        self.sparse = False  # some segment is value-sparse (the C++ kernel reads it; the fused kernel does not)
+        self.sparse = False  # some segment is value-sparse
+        # per value-sparse head (qh): its kept part and first entry, mask part and byte offset, granule starts
+        # (tensor, row) and compact tokens, for the fused kernel's items (FusedTables.layout)
+        self.sparse_heads: dict[int, tuple] = {}
+        self._own = []  # tensors the stack made (value-sparse stores' granule starts)
         for store in stores:
             b, h, _, d = store.shape
             if (h, d) != (self.heads, self.head_dim):
@@ -269,6 +275,10 @@ class ValueStack:
                 self.parts.append(compact.kept)
                 self.mask_parts.append(compact.mask_bits.reshape(-1))
                 rows += [(qh + i, 0, n_old, kept, first_entry[i], masks, i * n_old * (d // 8)) for i in range(b * h)]
+                self._own.append(granule_starts(compact)[0])
+                for i in range(b * h):
+                    self.sparse_heads[qh + i] = (kept, first_entry[i], masks, i * n_old * (d // 8),
+                                                 self._own[-1], i, n_old)
                 self.sparse = True
             if dense is not None and dense.shape[-2]:
                 if id(dense) not in unique:
@@ -333,6 +343,7 @@ class FusedTables:
     # multiple of 32 up to 128, masks 4-byte aligned; a slice of ``packed``); None where the walk does not apply
     walk_tab: torch.Tensor | None = None
     ragged: bool = False  # a segment's tokens keep different numbers of channels (granule starts: the kernel's RAGGED)
+    vsparse: bool = False  # a work item's values are value-sparse (rebuilt from their masks: the kernel's VSPARSE)
 
     @staticmethod
     def chunk_of(n: int, block: int = 16) -> int:
@@ -354,11 +365,11 @@ class FusedTables:
     @classmethod
     def view(cls, packed: torch.Tensor, layout: tuple) -> "FusedTables":
         """The tables over ``packed`` (the device copy of :meth:`layout`'s list, or a slice of a larger upload)."""
-        a, b, c, slots, n_work, members, aligned, width, pairs, kinds, walk_at, ragged = layout
+        a, b, c, slots, n_work, members, aligned, width, pairs, kinds, walk_at, ragged, vsparse = layout
         lists = packed[a + b + c:walk_at if walk_at >= 0 else None]
         walk_tab = packed[walk_at:walk_at + WALK_TABLE_BYTES // 8] if walk_at >= 0 else None
         return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], lists, slots, n_work,
-                   members, aligned, width, pairs, kinds, walk_tab, ragged)
+                   members, aligned, width, pairs, kinds, walk_tab, ragged, vsparse)
 
     @classmethod
     def layout(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
@@ -391,11 +402,16 @@ class FusedTables:
             else:
                 second[qh], split[qh] = len(seg_rows) - 1, out_off
         groups: dict = {}
-        if values.sparse:
-            raise ValueError("the fused decode reads dense value tensors: a value-sparse row decodes on its per-row "
-                             "path (dispatch.value_blocker)")
-        for qh, _, n, part, offset, _, _ in values._rows:
+        sparse = values.sparse_heads
+        window: dict[int, tuple] = {}  # a value-sparse head's dense window: (part, offset, tokens)
+        for qh, w_off, n, part, offset, mask_part, _ in values._rows:
+            if qh in sparse:
+                if mask_part < 0:
+                    window[qh] = (part, offset, n)
+                continue
             groups.setdefault((part, offset, n), []).append(qh)
+        for qh in sparse:  # an item of its own per chunk: the compact tokens, then the window
+            groups[("sparse", qh, sparse[qh][6] + window.get(qh, (0, 0, 0))[2])] = [qh]
         tokens, chunks = [0] * n_heads, [1] * n_heads
         for (_, _, n), m in groups.items():
             for qh in m:
@@ -423,7 +439,16 @@ class FusedTables:
             return 4 if 2 in both else 2 if bare[segs[0]] and bare[segs[1]] else 3
 
         for (part, offset, n), heads in groups.items():
-            address, step = _address(values.parts[part], offset), chunks[heads[0]]
+            extra = [0, 0, 0, 0]
+            if part == "sparse":  # (the window's address, else the kept entries': never read as dense rows)
+                kp, ko, mp, mo, starts, row, n_old = sparse[heads[0]]
+                wp, wo, _ = window.get(heads[0], (kp, ko, 0))
+                address = _address(values.parts[wp], wo)
+                extra = [_address(values.mask_parts[mp], mo), _address(values.parts[kp], ko),
+                         _address(starts, row * starts.shape[1]), n_old]
+            else:
+                address = _address(values.parts[part], offset)
+            step = chunks[heads[0]]
             known: dict = {}  # the list of each ordering of the heads (most items of a tensor share one)
             for k, t0 in enumerate(range(0, n, step)):
                 t1 = min(t0 + step, n)
@@ -437,7 +462,7 @@ class FusedTables:
                         known[batch] = len(lists)
                         lists += batch
                     ends = [sum(kinds[qh] <= x for qh in batch) for x in range(4)]
-                    work.append([known[batch], len(batch), t0, t1, address, k, *ends])
+                    work.append([known[batch], len(batch), t0, t1, address, k, *ends, *extra])
         head_rows = []
         for qh in range(n_heads):
             bits = valid[qh]
@@ -455,12 +480,13 @@ class FusedTables:
             flat += list(struct.unpack(f"<{WALK_TABLE_BYTES // 8}q", walk_table()))
         rows = (keys.head_dim * keys.dtype.itemsize) % 16 == 0
         aligned = rows and all(r[4] % 16 == 0 for r in work) and all(r[2] % 16 == 0 for r in seg_rows if r[8] == 3)
+        vsparse = any(r[10] for r in work)  # the kernel's VSPARSE: some item's values are rebuilt from masks
         # the structured loop's width (TK), 0 when no work item has structured keys (the kernel then has no such loop)
         width = max(32, 1 << (widest - 1).bit_length()) if widest and present & 2 else 0
         pairs = all(r[1] % 2 == 0 and r[2] % 4 == 0 for r in seg_rows if r[10] and r[1] > 0)  # (structured)
         ragged = any(r[1] < 0 for r in seg_rows)  # the kernel's RAGGED: a token's entries from its granule's start
         return flat, (SEG_COLS * len(seg_rows), HEAD_COLS * n_heads, WORK_COLS * len(work), slots, len(work), members,
-                      aligned, width, pairs, present, walk_at, ragged)
+                      aligned, width, pairs, present, walk_at, ragged, vsparse)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed)

@@ -1,4 +1,4 @@
-"""Value-sparse stores for the fused decode: what a value-sparse member kind reads, and its arithmetic in torch.
+"""Value-sparse stores: their compact and dense parts, which both stacked kernels read, and their arithmetic in torch.
 
 A value-sparse store is what ``value_ratio > 0`` makes (Mustafar's values, SparK's Appendix D values with
 ``value_fill=zero``): an :class:`~.stores.UnstructuredStore` with a zero fill — per token and kv-head a D-bit mask
@@ -9,14 +9,12 @@ itself. Mustafar's own format (its ``kernel/compression.py``) is a 64-bit bitmap
 of one channel; values: 64 channels of one token) with the tile's non-zeros padded to a multiple of 8; this one
 has no tiles and no padding, so it is never larger.
 
-On the CPU such a row stacks: the C++ ``pv_segments`` reads its kept entries and masks in place
-(:class:`~.segments.ValueStack`; Mustafar's window a dense segment after them). On CUDA it decodes on the per-row
-path (:func:`~.dispatch.value_blocker` says so, once): the fused kernel needs one more member kind to read it in place; this module is what that kind reads
-(:class:`ValueSegments`: per query head the addresses of its kept entries and mask, and where each 32-token block's
-entries start, since tied magnitudes let tokens keep different counts) and what it computes
-(:func:`block_values`, :func:`sparse_weighted_sum`: ``weights · values`` rebuilt block by block, never an
-``S × D`` matrix). The hook for the kernel (``storage/triton_decode.py``, ``storage/segments.py``): see
-:class:`ValueSegments`.
+Such a row stacks (:class:`~.segments.ValueStack`, :func:`value_parts`; Mustafar's window a dense segment after the
+compact tokens): the C++ ``pv_segments`` walks each token's kept entries in place; the fused CUDA decode gives such
+a head work items of its own, whose blocks of values it rebuilds from masks, kept entries and granule starts
+(``VSPARSE``, :mod:`.triton_decode`). This module also holds the reference they match (:class:`ValueSegments`:
+per query head where its kept entries, masks and 32-token blocks start; :func:`block_values`,
+:func:`sparse_weighted_sum`: ``weights · values`` rebuilt block by block, never an ``S × D`` matrix).
 """
 
 from __future__ import annotations
@@ -69,14 +67,9 @@ class ValueSegments:
     * ``n_old`` / ``n_recent``: the compact tokens and the dense window's tokens (``WindowedStore``), the window
       read as a dense value run after the compact ones.
 
-    Hook (for the fused kernel): ``segments.ValueStack`` already holds value-sparse segments (kept part and head
-    offset, mask part and byte offset; the C++ ``pv_segments`` reads them) and refuses them to ``FusedTables``; the
-    fused member needs ``FusedTables.layout`` to pack the kept, mask and granule-start addresses
-    (:func:`~.segments.granule_starts` serves values as it serves ragged keys) and the window's split beside
-    ``val_addr``, and the partials kernel's value load (one dense ``(32, D)`` load per block and member list) to
-    rebuild a sparse item's block as :func:`~.triton_compact._keys` rebuilds keys without recovery (its ``SECOND``
-    dense rows: the window); :func:`~.dispatch.value_blocker` then returns None for ``backend == "triton"``.
-    :func:`sparse_weighted_sum` is the reference the kernel must match.
+    The kernels read the same layout through ``segments.ValueStack`` and ``FusedTables`` (per 16-token granule
+    starts, :func:`~.segments.granule_starts`, rather than these 32-token blocks); :func:`sparse_weighted_sum` is
+    the reference they match.
     """
 
     kept_off: torch.Tensor     # (heads,) int64

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, SEG_COLS, WORK_COLS
-from spark_bench.storage.triton_compact import _member_scores
+from spark_bench.storage.triton_compact import _keys, _member_scores
 from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _prefetch, _split3
 from spark_bench.storage.triton_merge import _merge_kernel
 from spark_bench.storage.triton_versions import PARTIAL_WARPS, PREFETCH
@@ -172,6 +172,18 @@ def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, q
     return _online(m_i, l_i, acc, s, v)
 
 
+@triton.jit
+def _sparse_values(v_mask, v_kept, v_starts, v_split, window, t, live, c, ELEM: tl.constexpr, ESIZE: tl.constexpr,
+                   D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_: tl.constexpr):
+    """A block of a value-sparse item's values ``(BLOCK_, D_PAD)``: its compact tokens (``t < v_split``) rebuilt from
+    their masks and kept entries (pruned entries 0; a token's first entry from its granule's start, tokens keeping
+    different counts), its dense window's rows (at ``window``) after them: :func:`~.triton_compact._keys` without a
+    recovery, the window its second segment."""
+    zero = v_split * 0
+    return _keys(zero, zero - 1, v_kept, v_mask, zero + 1, zero, zero, zero, zero, zero, window, v_split, v_split, t,
+                 live, c, ELEM, ESIZE, D, D_PAD, BLOCK_, False, False, True, True, v_starts)[0]
+
+
 @triton.jit(do_not_specialize=["n_work", "advance"],
             do_not_specialize_on_alignment=["seg_ptr", "head_ptr", "work_ptr", "list_ptr"])
 def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_ptr, ml_ptr, elem_ptr, len_ptr,
@@ -179,7 +191,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
                      RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr,
                      VALIGN: tl.constexpr = False, TK: tl.constexpr = 0, PAIRS: tl.constexpr = False,
                      KINDS: tl.constexpr = ALL_KINDS, WALK: tl.constexpr = False, AHEAD: tl.constexpr = False,
-                     RAGGED: tl.constexpr = False):
+                     RAGGED: tl.constexpr = False, VSPARSE: tl.constexpr = False):
     """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor.
     ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads); ``PAIRS``: every
     structured segment keeps an even number of channels from a 4-byte aligned start (its entries read in pairs);
@@ -188,7 +200,10 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     ~190 registers, ~70 fewer instructions per block); ``WALK``: the signed members are walked (:mod:`.triton_walk`;
     a decode step, ``n_rows ≤ RPM``), their per-step tables written at ``walk_ptr``, the constant table at ``tab_ptr``;
     ``AHEAD``: each whole block asks L2 for the next block's values and keys (:data:`PREFETCH`); ``RAGGED``: a
-    segment's tokens keep different numbers of channels (:func:`~.triton_compact._keys`; off: not compiled in).
+    segment's tokens keep different numbers of channels (:func:`~.triton_compact._keys`; off: not compiled in);
+    ``VSPARSE``: some item's values are value-sparse (Mustafar's values, ``value_ratio`` > 0): such an item rebuilds
+    each block of values from their masks and kept entries as :func:`~.triton_compact._keys` rebuilds keys without a
+    recovery (its granule starts; the dense window's rows after the compact tokens), the others load dense rows.
     Program (0, 0) also advances the layer's tail length by ``advance`` (the merge that follows reads it)."""
     w = tl.program_id(0).to(tl.int64)
     gb = tl.program_id(1).to(tl.int64)
@@ -264,12 +279,25 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     # with every member kind too few registers: it spills)
     tt = tl.arange(0, BLOCK_)
     inside = tt[:, None] * D + c[None, :]  # (32-bit offsets of a block's rows of D channels)
+    if VSPARSE:  # a value-sparse item: its masks' and first kept entry's addresses, its starts, its compact tokens
+        v_mask = tl.load(item + 10, mask=real, other=0)
+        v_kept = tl.load(item + 11, mask=real, other=0)
+        v_starts = tl.load(item + 12, mask=real, other=0)
+        v_split = tl.load(item + 13, mask=real, other=0)
     for t0 in range(t_start, full_end, BLOCK_):
-        if D == D_PAD:
+        if VSPARSE:
+            if v_mask != 0:
+                v = _sparse_values(v_mask, v_kept, v_starts, v_split, val_addr, t0 + tt.to(tl.int64), tt < BLOCK_, c,
+                                   ELEM, ESIZE, D, D_PAD, BLOCK_)
+            elif D == D_PAD:
+                v = tl.load(values + t0 * D + inside)
+            else:
+                v = tl.load(values + t0 * D + inside, mask=cm[None, :], other=0.0)
+        elif D == D_PAD:
             v = tl.load(values + t0 * D + inside)
         else:
             v = tl.load(values + t0 * D + inside, mask=cm[None, :], other=0.0)
-        if AHEAD:
+        if AHEAD and not VSPARSE:
             _prefetch(values + (t0 + BLOCK_) * D, tl.minimum(t_end - t0 - BLOCK_, BLOCK_) * D * ESIZE,
                       BLOCK_ * D_PAD * ESIZE // 64)
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
@@ -277,7 +305,14 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
                               n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
                               VALIGN, TK, PAIRS, False, KINDS, RPM, WALK, AHEAD, RAGGED)
     for t0 in range(full_end, t_end, BLOCK_):
-        v = tl.load(values + t0 * D + inside, mask=(tt < t_end - t0)[:, None] & cm[None, :], other=0.0)
+        if VSPARSE:
+            if v_mask != 0:
+                v = _sparse_values(v_mask, v_kept, v_starts, v_split, val_addr, t0 + tt.to(tl.int64),
+                                   tt < t_end - t0, c, ELEM, ESIZE, D, D_PAD, BLOCK_)
+            else:
+                v = tl.load(values + t0 * D + inside, mask=(tt < t_end - t0)[:, None] & cm[None, :], other=0.0)
+        else:
+            v = tl.load(values + t0 * D + inside, mask=(tt < t_end - t0)[:, None] & cm[None, :], other=0.0)
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
                               qg3, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct,
                               n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
@@ -321,7 +356,7 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
                      ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
                      TK=getattr(tables, "width", 0), PAIRS=bool(getattr(tables, "pairs", False)),
                      KINDS=getattr(tables, "kinds", ALL_KINDS), WALK=walk, AHEAD=PREFETCH,
-                     RAGGED=bool(getattr(tables, "ragged", False)),
+                     RAGGED=bool(getattr(tables, "ragged", False)), VSPARSE=bool(getattr(tables, "vsparse", False)),
                      num_warps=PARTIAL_WARPS[elem.element_size()], num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
     # a decode step's few rows: no padding to 16, except for bfloat16 tails (tensor-core dots need 16 rows)
     rm = ROWS if tail_keys.dtype == torch.bfloat16 else min(triton.next_power_of_2(n), ROWS)
