@@ -130,7 +130,7 @@ class SegmentStack:
         d = self.head_dim
         self.kept_parts, self.mask_parts, self.mu_parts, self.sign_parts = [], [], [], []
         self.chan_parts, self._chans = [], []  # a structured segment's kept channels (the fused kernel's gather)
-        self.start_parts, self._starts = [], []  # a ragged segment's granule starts (int32; (part, offset))
+        self.start_parts = []  # ragged segments' granule starts (int32)
         rows, fills, scales, own, qh = [], [], [], [], 0
 
         def part(parts: list, tensor: torch.Tensor) -> int:
@@ -143,7 +143,6 @@ class SegmentStack:
             rows.append((qh, out_off, n, t, *kept, *mask, *mu, *sign, MODES[mode], *starts))
             fills.append(fill)
             self._chans.append(chan)
-            self._starts.append(starts)
 
         def head_offsets(x: torch.Tensor):
             """``x (B, H, S, D)`` as a part read in place — a view, e.g. a prompt prefix of the prefill's keys, as
@@ -255,8 +254,8 @@ class ValueStack:
         self.heads, self.head_dim, self.width = stores[0].shape[1], stores[0].shape[-1], width
         self.dtype = stores[0].dtype
         unique: dict[int, int] = {}
-        self.parts, self.mask_parts, strided, rows, qh = [], [], [], [], 0  # strided: each part's per-head offsets
-        self.sparse = False  # some segment is value-sparse
+        self.parts, self.mask_parts, rows, qh = [], [], [], 0
+        strided: dict[int, list[int]] = {}  # each dense part's per-head offsets
         # per value-sparse head (qh): its kept part and first entry, mask part and byte offset, granule starts
         # (tensor, row) and compact tokens, for the fused kernel's items (FusedTables.layout)
         self.sparse_heads: dict[int, tuple] = {}
@@ -269,33 +268,34 @@ class ValueStack:
             n_old = 0
             if compact is not None:  # each head's tokens from its first kept entry, its masks D/8 bytes per token
                 n_old = compact.length
-                counts = compact.kept_mask().sum((-1, -2), dtype=torch.int64).reshape(-1)
-                first_entry = (counts.cumsum(0) - counts).tolist()
+                starts, first_entry = granule_starts(compact)
                 kept, masks = len(self.parts), len(self.mask_parts)
                 self.parts.append(compact.kept)
                 self.mask_parts.append(compact.mask_bits.reshape(-1))
-                rows += [(qh + i, 0, n_old, kept, first_entry[i], masks, i * n_old * (d // 8)) for i in range(b * h)]
-                self._own.append(granule_starts(compact)[0])
+                self._own.append(starts)
                 for i in range(b * h):
-                    self.sparse_heads[qh + i] = (kept, first_entry[i], masks, i * n_old * (d // 8),
-                                                 self._own[-1], i, n_old)
-                self.sparse = True
+                    rows.append((qh + i, 0, n_old, kept, first_entry[i], masks, i * n_old * (d // 8)))
+                    self.sparse_heads[qh + i] = (*rows[-1][3:], starts, i, n_old)
             if dense is not None and dense.shape[-2]:
                 if id(dense) not in unique:
                     data = dense
                     if data.stride(-1) != 1 or (data.shape[-2] > 1 and data.stride(-2) != d):
                         data = data.contiguous()
                     unique[id(dense)] = len(self.parts)
+                    strided[len(self.parts)] = [(i // h) * data.stride(0) + (i % h) * data.stride(1)
+                                                for i in range(b * h)]
                     self.parts.append(data)
-                    strided.append((len(self.parts) - 1, [(i // h) * data.stride(0) + (i % h) * data.stride(1)
-                                                          for i in range(b * h)]))
                 part = unique[id(dense)]
-                offsets = next(o for p, o in strided if p == part)
-                rows += [(qh + i, n_old, dense.shape[-2], part, offsets[i], -1, 0) for i in range(b * h)]
+                rows += [(qh + i, n_old, dense.shape[-2], part, strided[part][i], -1, 0) for i in range(b * h)]
             qh += b * h
         self.device = self.parts[0].device
         self.row_heads = stores[0].shape[0] * stores[0].shape[1]
         self._set_rows(rows)
+
+    @property
+    def sparse(self) -> bool:
+        """Some segment is value-sparse."""
+        return bool(self.sparse_heads)
 
     def _set_rows(self, rows: list[tuple]) -> None:
         """``rows``: (qh, w_off, n, part, offset in the part, mask part (−1: dense), mask byte offset)."""
