@@ -285,7 +285,7 @@ def step_work(arch: Arch, rows: int, prompt: int, capacity: int, itemsize: int, 
     then as float32 for the scores, their values as float32); the decoded tail's float32 copy. CPU (the C++ kernels):
     the padded float32 scores, their softmax and the prompt/tail concatenation of every row, ``3·R·H_q·(S + cap)·4``,
     and AdaKV's unpacked validity (one byte per entry). CUDA (the fused kernel): its partial softmax, ``(D + 2)·4``
-    bytes per query row per chunk of at least 256 tokens (:meth:`~spark_bench.storage.segments.FusedTables.chunk_of`),
+    bytes per query row per chunk of at least 512 tokens (:meth:`~spark_bench.storage.segments.FusedTables.chunk_of`),
     no score tensor, and at a decode step the signed walk's per-step tables, one per row and kv-head
     (:func:`~spark_bench.storage.walk_layout.head_floats`; counted whatever the rows' methods, where the walk serves
     the head_dim). A suffix of ``suffix`` tokens multiplies the query rows, its chunks bounded by
@@ -297,7 +297,7 @@ def step_work(arch: Arch, rows: int, prompt: int, capacity: int, itemsize: int, 
     cpu = min(3 * rows * hq * q_rows * (prompt + capacity) * 4,
               max(STEP_WORK_BOUND, 3 * rows * hq * (prompt + capacity) * 4))
     cpu += ada * h * prompt
-    chunks = -(-prompt // max(256, min(1024, prompt // 8)))
+    chunks = -(-prompt // max(512, min(1024, prompt // 8)))
     cuda = min(rows * hq * q_rows * chunks * (d + 2) * 4, max(STEP_WORK_BOUND, rows * hq * chunks * (d + 2) * 4))
     if suffix <= 1 and walks(d):
         cuda += rows * h * head_floats(d, min(1 << (hq // h - 1).bit_length(), 16)) * 4

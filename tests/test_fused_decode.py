@@ -14,6 +14,7 @@ from spark_bench.engine import cache as cache_module
 from spark_bench.engine.decode import DecodeRow, decode_rows
 from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.storage import dispatch
+from spark_bench.storage.segments import KINDS
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="forces the Triton path onto CPU tensors")
 
@@ -389,7 +390,7 @@ def test_the_cuda_path_holds_what_the_planner_says(triton_on_cpu, monkeypatch, t
     tail = sum(2 * layer.tail_keys.numel() * layer.tail_keys.element_size() for layer in batch.layers)
     assert tracker.live - tail <= 0.05 * rows_bytes, (tracker.live, tail, rows_bytes)
     if suffix > 1:
-        bound = 16 * 2 ** 10
+        bound = 6 * 2 ** 10  # (the tiny model's 1,024-token rows: one or two 512-token chunks a head)
         monkeypatch.setattr(cache_module.BatchedLayer, "work_bytes", bound)
         monkeypatch.setattr("spark_bench.memory.STEP_WORK_BOUND", bound)
     layer = batch.layers[0]
@@ -449,6 +450,25 @@ def test_the_rank_popcount_counts_the_set_bits_of_every_word(triton_on_cpu):
     assert out.tolist() == [bin(w & 0xFFFFFFFF).count("1") for w in words]
 
 
+def test_a_decode_step_without_recovering_members_launches_lean():
+    """The partials launch's register limit: 168 (3 CTAs of 4 warps per SM) for a bfloat16 decode step whose work
+    items hold dense, structured or bare keys only, no ragged or value-sparse store; else 255 (every recovering,
+    ragged or value-sparse launch, a suffix, the float32 kernel's 8 warps) — what the dispatch passes Triton."""
+    from spark_bench.storage import triton_decode as td
+    from spark_bench.storage.gpu_compile import Launch, _arguments
+
+    lean = [("dense",), ("structured", "bare"), ("dense", "structured", "bare")]
+    for kinds in lean:
+        mask = sum(1 << KINDS.index(k) for k in kinds)
+        assert td.max_registers(mask, 4, True, False, False) == td.LEAN_REGISTERS == 168
+        assert td.max_registers(mask, 8, True, False, False) == td.max_registers(mask, 4, False, False, False) == 255
+        assert td.max_registers(mask, 4, True, True, False) == td.max_registers(mask, 4, True, False, True) == 255
+    for kind in ("plain", "signed"):
+        assert td.max_registers(1 << KINDS.index(kind) | 1, 4, True, False, False) == td.MAX_REGISTERS == 255
+    asked = {kinds: _arguments(Launch("partials", 128, 4, kinds=kinds))[2]["maxnreg"] for kinds in (6, 31)}
+    assert asked == {6: 168, 31: 255} or td.PARTIAL_WARPS[2] != 4
+
+
 def test_the_launch_shape_follows_the_triton_that_compiles_it():
     """One table decides the bfloat16 warps, the L2 prefetch and what check.py reports, by Triton version: 3.9 the
     tuned kernel, 3.6–3.8 the same launch with its spill named, before 3.6 (torch 2.6's 3.2) 8 warps and no prefetch."""
@@ -459,5 +479,5 @@ def test_the_launch_shape_follows_the_triton_that_compiles_it():
     assert td.triton_launch((3, 8)) == spilling and (spilling.bf16_warps, spilling.prefetch) == (4, True)
     assert "spills" in spilling.notes[0] and td.triton_launch((4, 0)) == tuned
     assert (old.bf16_warps, old.prefetch, len(old.notes)) == (8, False, 3) and td.triton_launch((3, 5)) == old
-    assert td.PARTIAL_WARPS == {2: td.SHAPE.bf16_warps, 4: 8} and td.PREFETCH == td.SHAPE.prefetch
+    assert td.PARTIAL_WARPS == {2: td.SHAPE.bf16_warps, 4: 8} and td.PREFETCH == {2: td.SHAPE.prefetch, 4: False}
     assert td.TRITON_NOTES == list(td.triton_launch(td.TRITON).notes)

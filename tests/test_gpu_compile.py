@@ -98,8 +98,10 @@ def test_the_instruction_budget_script_reads_a_launched_kernel():
     # ThinK's structured keys: a dot as deep as the kept channels (TK), no mask read
     assert kinds["structured"]["instructions"] < kinds["bare"]["instructions"]
     assert kinds["structured"]["tensor_core"] < kinds["dense"]["tensor_core"]
-    # pruned entries read as 0: no recovery dot (three split-term dots instead of six)
+    # bfloat16 queries: one dot against them unscaled (exact in one term) for dense keys and for compact keys
+    # whose pruned entries read as 0 (no recovery dot); a recovery adds its three split-term dots
     assert kinds["bare"]["tensor_core"] == kinds["dense"]["tensor_core"] < kinds["plain"]["tensor_core"]
+    assert kinds["plain"]["tensor_core"] == 4 * kinds["dense"]["tensor_core"]
     assert kinds["dense"]["global_loads"].get(1, 0) == 0 and token["global_loads"].get(16)  # 16-byte value loads
     # a launch's KINDS: a bit per kind its work items hold, in the kernel's order
     assert bench.kinds_of([{"kinds": ["structured", "structured"]}, {"kinds": ["bare"]}]) == 0b110

@@ -251,7 +251,8 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
     its dense window, Mustafar with its window, dense keys) in one launch (or ``only`` these), rows of different lengths, three rows sharing
     one value tensor (read once per work item), AdaKV validity bits on one row, the decoded tail causal for a suffix:
     equal to float64 softmax attention within 1e-5 relative (float32 logits and softmax; the only rounding is float32
-    summation). With ``chunk``, every member loop of the kernel runs (``kinds``: its columns of the work table); the
+    summation; the output asked in float32). A bfloat16 decode step's queries are bfloat16, as a bfloat16 model's (the
+    dense and structured keys' dots take them unscaled, in one term); the bfloat16 suffix's float32 (three terms). With ``chunk``, every member loop of the kernel runs (``kinds``: its columns of the work table); the
     kernel is specialised to the kinds the work items hold (``tables.kinds``: a bit each, the others' loops absent)."""
     kinds = ["spark_official", "spark_paper", "spark_zero", "spark_fork_pool0", "think_window", "dense"]
     if head_dim == 64:
@@ -277,6 +278,8 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
     tail_k = torch.randn(n, 2, cap, head_dim, generator=g).to(DEVICE, dtype)
     tail_v = torch.randn(n, 2, cap, head_dim, generator=g).to(DEVICE, dtype)
     queries = torch.randn(n, 2, group * q_len, head_dim, generator=g).to(DEVICE)
+    if dtype == torch.bfloat16 and q_len == 1:  # a bfloat16 model's decode step: bfloat16 queries (the dense and
+        queries = queries.bfloat16()  # structured keys' one-term dot, logits scaled after); the output in float32
     members = triton_kernels.launch_shape(group * q_len)[1]
     tables = FusedTables.build(keys_stack, value_stack, per_head, members, chunk)
     assert tables.ragged == any(k in RAGGED for k in kinds)  # (the kernel's granule starts compiled in)
@@ -298,8 +301,10 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
     out = dispatch.fused_attention(tables, keys_stack.aux_scale, tail_k, queries.reshape(2 * n, -1, head_dim), 1.0,
                                    new_k.reshape(2 * n, q_len, head_dim), new_v.reshape(2 * n, q_len, head_dim),
                                    buf_k.reshape(2 * n, cap, head_dim), buf_v.reshape(2 * n, cap, head_dim),
-                                   length, q_len, advance=q_len).view(n, 2, -1, head_dim)
-    assert out.dtype == queries.dtype and length.item() == filled
+                                   length, q_len, advance=q_len,
+                                   out=torch.empty(2 * n, group * q_len, head_dim, device=DEVICE)).view(n, 2, -1,
+                                                                                                        head_dim)
+    assert length.item() == filled
     assert torch.equal(buf_k[:, :, :filled], tail_k[:, :, :filled]) and torch.equal(buf_v[:, :, :filled],
                                                                                      tail_v[:, :, :filled])
     for i, (store, value) in enumerate(zip(stores, values)):

@@ -4,8 +4,8 @@ aligned pointers marked; :func:`spark_bench.storage.gpu_compile.compile_launch`)
 address multiplies, compile seconds, for bf16 and fp32, a decode step and a 16-token suffix →
 results/bench/compile.json. The partials kernel is specialised to the member kinds its tables hold (``KINDS``): every
 launch compiles with all of them (a batch of mixed configs), and a decode step's also with each set one method's rows
-alone launch (:data:`ALONE`), and with ``RAGGED`` (a store whose tokens keep different counts: every kind, and
-Mustafar's bare keys alone, with and without ``VSPARSE``: its value-sparse values)."""
+alone launch (:data:`ALONE`), and with ``RAGGED`` (a store whose tokens keep different counts: every kind, with and
+without ``VSPARSE``: value-sparse values, and Mustafar's bare keys alone, with and without it)."""
 
 import json
 import sys
@@ -21,10 +21,10 @@ from spark_bench.storage.segments import KINDS  # noqa: E402
 SHAPES = [(64, 3), (128, 4), (128, 8)]
 # the partials kernel's KINDS when one method's rows decode alone: full or eviction (dense keys), ThinK (structured
 # keys, bare where an item holds its recent tokens), SparK zero/none or AdaKV (bare), paper/constant recoveries
-# (plain), the official recovery (signed)
+# (plain), the official recovery (signed); and a batch of those without a recovery (triton_decode.LEAN_REGISTERS)
 ALONE = {name: sum(1 << KINDS.index(k) for k in kinds) for name, kinds in (
     ("dense", ["dense"]), ("think", ["structured", "bare"]), ("bare", ["bare"]), ("plain", ["plain"]),
-    ("signed", ["signed"]))}
+    ("signed", ["signed"]), ("no_recovery", ["dense", "structured", "bare"]))}
 
 
 def main(out: str = "results/bench/compile.json") -> None:
@@ -37,8 +37,10 @@ def main(out: str = "results/bench/compile.json") -> None:
                          for k in ALONE.values()]
                 ragged = [replace(x, ragged=True) for x in every if x.kernel == "partials"] + [
                     replace(x, kinds=ALONE["bare"], ragged=True, vsparse=vs) for x in every
-                    if x.kernel == "partials" and x.q_len == 1 for vs in (False, True)]  # (Mustafar's tied keys,
-                # SparK-p/-g; with its value-sparse values)
+                    if x.kernel == "partials" and x.q_len == 1 for vs in (False, True)] + [
+                    replace(x, ragged=True, vsparse=True) for x in every if x.kernel == "partials"
+                    and x.q_len == 1]  # (Mustafar's tied keys, SparK-p/-g; with its value-sparse values; beside
+                # every other kind)
                 for launch in every + alone + ragged:
                     row = asdict(compile_launch(launch, arch))
                     row.pop("sass")

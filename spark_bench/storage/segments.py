@@ -44,12 +44,16 @@ GRANULE = 16
 MODES = {"constant": 0, "aligned": 1, "signed": 2, "dense": 3}
 # the fused kernel's tables (FusedTables), their row widths and columns
 SEG_COLS = 11   # out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr, sign_bitoff, mode, fill,
-#                 chan_addr (a structured segment's kept channels, one index each; a ragged one's granule starts)
+#                 starts_addr (a ragged segment's granule starts; else 0: a structured one's kept channels are read
+#                 from the tables' copy, through its members' gather rows below)
 HEAD_COLS = 7   # seg_a, seg_b, split, valid_addr, slot_base, n_slots, n_tokens
-WORK_COLS = 14  # list_start, count, t_start, t_end, val_addr, chunk, then the ends of its kinds' runs of members:
+WORK_COLS = 15  # list_start, count, t_start, t_end, val_addr, chunk, then the ends of its kinds' runs of members:
 #                 n_dense, n_struct, n_bare, n_plain (the rest, to count, are signed); then a value-sparse item's
 #                 mask address (0: dense values), first kept entry's address, granule starts' address and compact
-#                 tokens (val_addr: its dense window)
+#                 tokens (val_addr: its dense window); then where its members' gather rows start (from the lists)
+# a structured member's gather row, two int64 per member of an item's list: its kept count and where its kept
+# channels' indices start (in index elements from the packed tables' start: the indices are copied into the
+# tables, so the prologue's gather reads them at a table's latency, every member's at once)
 # the fused kernel's member loops, in its order: a work item's member of kind k (FusedTables.layout) runs loop k, and
 # a launch's tables hold a set of kinds, a bit each (FusedTables.kinds, the kernel's KINDS)
 KINDS = ("dense", "structured", "bare", "plain", "signed")
@@ -308,6 +312,27 @@ class ValueStack:
         return torch.tensor(self._rows, dtype=torch.int64, device=self.device).reshape(-1, 7)
 
 
+def _gather_rows(gather: list, keys: "SegmentStack", at: int) -> list[int]:
+    """``gather``'s rows (kept count, (channel part, offset) or −1) as int64: each offset resolved to where the
+    indices are copied, after the rows (from int64 word ``at`` of the tables), followed by those indices' words."""
+    rows, words, where, host = [], b"", {}, {}
+    size = channel_index_dtype(keys.head_dim).itemsize
+    for i in range(0, len(gather), 2):
+        t, src = gather[i], gather[i + 1]
+        if src == -1:
+            rows += [0, 0]
+            continue
+        if src not in where:
+            cp, co = src
+            where[src] = (at * 8 + len(words)) // size
+            if cp not in host:  # (one device → host copy of each part)
+                host[cp] = keys.chan_parts[cp].reshape(-1).cpu().numpy()
+            words += host[cp][co:co + t].tobytes()
+            words += bytes(-len(words) % 8)
+        rows += [t, where[src]]
+    return rows + list(memoryview(words).cast("q")) if words else rows
+
+
 def _address(part: torch.Tensor, offset: int) -> int:
     """Byte address of element ``offset`` of ``part`` (0 for an absent part)."""
     return part.data_ptr() + offset * part.element_size()
@@ -347,11 +372,14 @@ class FusedTables:
 
     @staticmethod
     def chunk_of(n: int, block: int = 16) -> int:
-        """Tokens per work item for a value tensor of ``n`` tokens: 16 to 64 blocks (256–1024 tokens at 16), more
+        """Tokens per work item for a value tensor of ``n`` tokens: 32 to 64 blocks (512–1024 tokens at 16), more
         work items for longer tensors (127.5K tokens: 125 per head) — so a work item's partial softmax (``(D + 2)·4``
-        bytes per query row) and its queries stay a few per cent of the bytes it reads. It depends on the tensor
-        alone, so a row's splits (and its float32 sums) are the same in any batch."""
-        return block * max(16, min(64, n // (8 * block)))
+        bytes per query row) and what a program runs once (its table rows, its queries' bfloat16 splits, the
+        epilogue's stores: ~630 warp-instructions on sm_90, as many as 1.8 blocks of dense keys) stay a few per cent
+        of its work: a 512-token store (a KV-512 row) is one work item, not two (modelled, ``make bench``'s latency
+        table: SnapKV at KV 512 88 → 94% of the HBM bound, ThinK(0.8) 58 → 72%). It depends on the tensor alone, so
+        a row's splits (and its float32 sums) are the same in any batch."""
+        return block * max(32, min(64, n // (8 * block)))
 
     @classmethod
     def build(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
@@ -392,7 +420,6 @@ class FusedTables:
                              _address(keys.mu_parts[up], uo) if up >= 0 else 0,
                              keys.sign_parts[sp].data_ptr() if sp >= 0 else 0, so if sp >= 0 else 0, mode,
                              struct.unpack("<i", struct.pack("<f", fill))[0],
-                             _address(keys.chan_parts[cp], co) if cp >= 0 else
                              _address(keys.start_parts[gp], go) if gp >= 0 else 0])
             widest = max(widest, t if cp >= 0 else 0)
             if first[qh] < 0:
@@ -420,7 +447,12 @@ class FusedTables:
         for qh in range(n_heads):
             slot_base.append(slots)
             slots += -(-tokens[qh] // chunks[qh])
-        work, lists, present = [], [], 0  # present: the kinds the work items hold, a bit each
+        work, lists, gather, present = [], [], [], 0  # present: the kinds the work items hold, a bit each
+        # a structured head's (kept count, channel-index part and offset): its indices go into the tables
+        structured = {}
+        for i, (cp, co) in enumerate(keys._chans):
+            if cp >= 0 and seg_rows[i][1] > 0 and first[keys._rows[i][0]] == i:
+                structured[keys._rows[i][0]] = (seg_rows[i][1], (cp, co))
         modes = [r[8] for r in seg_rows]
         bare = [r[8] == MODES["dense"] or (r[8] == MODES["constant"] and r[9] == 0) for r in seg_rows]
 
@@ -450,6 +482,7 @@ class FusedTables:
                 address = _address(values.parts[part], offset)
             step = chunks[heads[0]]
             known: dict = {}  # the list of each ordering of the heads (most items of a tensor share one)
+            gathers: dict = {}  # its structured members' gather rows (one per list), where they start in ``gather``
             for k, t0 in enumerate(range(0, n, step)):
                 t1 = min(t0 + step, n)
                 kinds = {qh: kind(qh, t1) for qh in heads}
@@ -461,16 +494,23 @@ class FusedTables:
                     if batch not in known:
                         known[batch] = len(lists)
                         lists += batch
+                    if batch not in gathers:
+                        gathers[batch] = len(gather)
+                        gather += [x for qh in batch for x in structured.get(qh, (0, -1))]
                     ends = [sum(kinds[qh] <= x for qh in batch) for x in range(4)]
-                    work.append([known[batch], len(batch), t0, t1, address, k, *ends, *extra])
+                    work.append([known[batch], len(batch), t0, t1, address, k, *ends, *extra, gathers[batch]])
         head_rows = []
         for qh in range(n_heads):
             bits = valid[qh]
             head_rows.append([first[qh], second[qh] if second[qh] >= 0 else first[qh], split[qh],
                               _address(bits[0], bits[1]) if bits is not None else 0, slot_base[qh],
                               -(-tokens[qh] // chunks[qh]), tokens[qh]])
+        for r in work:  # (the gather rows follow the lists; an item's column counts from the lists' start)
+            r[-1] += len(lists)
         flat = [x for r in seg_rows for x in r] + [x for r in head_rows for x in r] + [x for r in work for x in r]
         flat += lists
+        # the gather rows, then the kept channels' indices they point at, packed into int64 words
+        flat += _gather_rows(gather, keys, len(flat) + len(gather))
         # the signed walk (storage/triton_walk.py) where its keys allow: masks of whole 32-bit words, 4-byte aligned
         d = keys.head_dim
         walk_at = -1
@@ -483,7 +523,8 @@ class FusedTables:
         vsparse = any(r[10] for r in work)  # the kernel's VSPARSE: some item's values are rebuilt from masks
         # the structured loop's width (TK), 0 when no work item has structured keys (the kernel then has no such loop)
         width = max(32, 1 << (widest - 1).bit_length()) if widest and present & 2 else 0
-        pairs = all(r[1] % 2 == 0 and r[2] % 4 == 0 for r in seg_rows if r[10] and r[1] > 0)  # (structured)
+        pairs = all(r[1] % 2 == 0 and r[2] % 4 == 0 for r, (cp, _) in zip(seg_rows, keys._chans)
+                    if cp >= 0 and r[1] > 0)  # (structured)
         ragged = any(r[1] < 0 for r in seg_rows)  # the kernel's RAGGED: a token's entries from its granule's start
         return flat, (SEG_COLS * len(seg_rows), HEAD_COLS * n_heads, WORK_COLS * len(work), slots, len(work), members,
                       aligned, width, pairs, present, walk_at, ragged, vsparse)

@@ -144,13 +144,15 @@ def _keys(out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr
 @triton.jit
 def _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c,
                    ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                   BLOCK_T: tl.constexpr, SIGNS: tl.constexpr, RECOVER: tl.constexpr = True,
-                   RAGGED: tl.constexpr = False):
+                   BLOCK_T: tl.constexpr, SIGNS: tl.constexpr, RECOVER: tl.constexpr, RAGGED: tl.constexpr, qd,
+                   q_scale, ONE: tl.constexpr):
     """Member ``m``'s logits from its compact keys (AdaKV validity applied) into its rows of ``s``. bfloat16 stores
     (``q1 … q3``, ``qa1 … qa3``: the queries' and ``q ∘ a``'s bfloat16 splits, :func:`_split3`; unused for float32
     stores): ``q · k̃ = q · k + scale · (q ∘ a) · S`` on the tensor cores (the kept entries and ``S`` are exact in
     bfloat16; float32 products and sums), no float32 key rebuilt; else the float32 keys and an FMA dot. Without
-    ``RECOVER`` (pruned entries read as 0: ThinK, the zero/none recoveries, AdaKV's dense rows) only ``q · k``."""
+    ``RECOVER`` (pruned entries read as 0: ThinK, the zero/none recoveries, AdaKV's dense rows) only ``q · k``. With
+    ``ONE`` (bfloat16 queries) ``q · k`` is one dot against ``qd``, the unscaled queries (exact in one bfloat16
+    term), times ``q_scale``, not three against the scaled queries' splits."""
     qh = tl.load(heads + m)
     hrow = head_ptr + qh * HEAD
     b = seg_ptr + tl.load(hrow + 1) * SEG  # (a second segment is a run of dense keys: FusedTables.layout)
@@ -166,7 +168,10 @@ def _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, 
         init = tl.zeros((q.shape[0], BLOCK_T), tl.float32)
         if RECOVER:
             init = scale[None, :] * _dot3(qa1, qa2, qa3, tl.trans(sign), init)
-        sm = _dot3(q1, q2, q3, tl.trans(k), init)
+        if ONE:
+            sm = init + tl.dot(qd, tl.trans(k), tl.zeros((q.shape[0], BLOCK_T), tl.float32)) * q_scale
+        else:
+            sm = _dot3(q1, q2, q3, tl.trans(k), init)
     elif not RECOVER:
         sm = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
     else:

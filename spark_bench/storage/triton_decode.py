@@ -49,7 +49,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, SEG_COLS, WORK_COLS
+from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, KINDS, SEG_COLS, WORK_COLS
 from spark_bench.storage.triton_compact import _keys, _member_scores
 from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _prefetch, _split3
 from spark_bench.storage.triton_merge import _merge_kernel
@@ -68,15 +68,32 @@ NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does
 # ptxas given no register limit caps these kernels at 64/80/128 registers (3-4 or 2 CTAs per SM of 256 threads) and
 # spills; stated as 255, it allocates what the code needs and spills nothing (results/bench/compile.json)
 MAX_REGISTERS = 255
+# a decode step's bfloat16 launch (4 warps) whose work items hold no recovering member (dense, structured and bare
+# keys alone: full, eviction, ThinK, zero/none recoveries, AdaKV) and no ragged or value-sparse store fits 168
+# registers without a spill (sm_80/sm_90, D 64/128; results/bench/compile.json): 3 CTAs per SM, not 2 — half again
+# the bytes in flight (sm_90 D=128 GQA 4 ThinK(0.8): 12 → 18 KB per SM, modelled)
+LEAN_REGISTERS = 168
+RECOVERING = (1 << KINDS.index("plain")) | (1 << KINDS.index("signed"))
+
+
+def max_registers(kinds: int, warps: int, step: bool, ragged: bool, vsparse: bool) -> int:
+    """The partials launch's register limit (Triton's ``maxnreg``): :data:`LEAN_REGISTERS` for a decode step's
+    4-warp launch without recovering members, ragged or value-sparse stores, else :data:`MAX_REGISTERS`."""
+    lean = warps == 4 and step and not kinds & RECOVERING and not ragged and not vsparse
+    return LEAN_REGISTERS if lean else MAX_REGISTERS
 MERGE_WARPS = 4  # the merge of a decode step (a few query rows per head)
 MERGE_BLOCK = 16  # tail tokens per step of the merge
 
 
 @triton.jit
-def _rows_dot(a1, a2, a3, k, ELEM: tl.constexpr):
+def _rows_dot(a1, a2, a3, k, scale, ELEM: tl.constexpr, ONE: tl.constexpr):
     """``a · kᵀ`` in float32 for keys ``k (n, channels)`` in their rows: bfloat16 keys on the tensor cores against
-    ``a``'s three bfloat16 terms (:func:`_dot3`, float32 products), float32 keys by an FMA dot against ``a₁``."""
+    ``a``'s three bfloat16 terms (:func:`_dot3`, float32 products) — or, with ``ONE``, against ``a₁`` alone, the
+    unscaled bfloat16 queries themselves (exact in one term), the logits scaled after (one dot, not three) —,
+    float32 keys by an FMA dot against ``a₁``."""
     if ELEM == tl.bfloat16:
+        if ONE:
+            return tl.dot(a1, tl.trans(k), tl.zeros((a1.shape[0], k.shape[0]), tl.float32)) * scale
         return _dot3(a1, a2, a3, tl.trans(k), tl.zeros((a1.shape[0], k.shape[0]), tl.float32))
     else:
         return tl.dot(a1, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
@@ -92,12 +109,13 @@ def _into(s, sm, member, m, live, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2, qg3, member, heads,
+def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2, qg3, qd, scale, member,
+          heads,
           head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr,
           ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROWS_: tl.constexpr,
           BLOCK_: tl.constexpr, VALIGN: tl.constexpr, TK: tl.constexpr, PAIRS: tl.constexpr, MASKED: tl.constexpr,
           KINDS: tl.constexpr, RPM: tl.constexpr, WALK: tl.constexpr, AHEAD: tl.constexpr,
-          RAGGED: tl.constexpr = False):
+          RAGGED: tl.constexpr = False, ONE: tl.constexpr = False):
     """One block of ``BLOCK_`` tokens from ``t0``: its values ``v`` (loaded by the caller, a block ahead), every member's logits (one loop per kind, in the
     order :class:`~spark_bench.storage.segments.FusedTables` sorts them; a kind's loop only where ``KINDS`` has its
     bit), the online softmax. Without ``MASKED`` (a whole block) nothing is masked and the values and dense keys are
@@ -127,7 +145,7 @@ def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, q
             if AHEAD and not MASKED:  # the next block's keys requested from L2 while this one computes
                 _prefetch(rows + BLOCK_ * D, tl.minimum(t_end - t0 - BLOCK_, BLOCK_) * D * ESIZE,
                           BLOCK_ * D_PAD * ESIZE // 64)
-            s = _into(s, _rows_dot(q1, q2, q3, k, ELEM), member, m, live, MASKED)
+            s = _into(s, _rows_dot(qd, q2, q3, k, scale, ELEM, ONE), member, m, live, MASKED)
     if TK > 0:
         # structured keys (ThinK): each token's TK-wide row of the segment's kept channels, against the queries
         # gathered at those channels once per program (qg1 … qg3): a TK-deep dot, no mask read
@@ -152,15 +170,15 @@ def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, q
             if AHEAD and not MASKED:
                 _prefetch(rows + BLOCK_ * t_kept, tl.minimum(t_end - t0 - BLOCK_, BLOCK_) * t_kept * ESIZE,
                           BLOCK_ * TK * ESIZE // 64)
-            s = _into(s, _rows_dot(qg1, qg2, qg3, k, ELEM), member, m, live, MASKED)
+            s = _into(s, _rows_dot(qg1, qg2, qg3, k, scale, ELEM, ONE), member, m, live, MASKED)
     if KINDS & 4:
         for m in range(n_struct, n_bare):  # compact keys (or AdaKV validity), pruned entries 0
             s = _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live,
-                               c, ELEM, ESIZE, D, D_PAD, BLOCK_, False, False, RAGGED)
+                               c, ELEM, ESIZE, D, D_PAD, BLOCK_, False, False, RAGGED, qd, scale, ONE)
     if KINDS & 8:
         for m in range(n_bare, n_plain):  # compact keys with a recovery, no signs
             s = _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live,
-                               c, ELEM, ESIZE, D, D_PAD, BLOCK_, False, True, RAGGED)
+                               c, ELEM, ESIZE, D, D_PAD, BLOCK_, False, True, RAGGED, qd, scale, ONE)
     if KINDS & 16:
         for m in range(n_plain, count):  # compact keys with signs (official recovery)
             if WALK:  # (a decode step: each token's kept entries walked where they are stored)
@@ -168,7 +186,7 @@ def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, q
                                  BLOCK_, RPM, ROWS_, ELEM, ESIZE, AHEAD and not MASKED)
             else:
                 s = _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t,
-                                   live, c, ELEM, ESIZE, D, D_PAD, BLOCK_, True, True, RAGGED)
+                                   live, c, ELEM, ESIZE, D, D_PAD, BLOCK_, True, True, RAGGED, qd, scale, ONE)
     return _online(m_i, l_i, acc, s, v)
 
 
@@ -199,7 +217,8 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     ``[k]``, the structured one also ``TK > 0``), the others' loops not compiled in (a launch without compact keys:
     ~190 registers, ~70 fewer instructions per block); ``WALK``: the signed members are walked (:mod:`.triton_walk`;
     a decode step, ``n_rows ≤ RPM``), their per-step tables written at ``walk_ptr``, the constant table at ``tab_ptr``;
-    ``AHEAD``: each whole block asks L2 for the next block's values and keys (:data:`PREFETCH`); ``RAGGED``: a
+    ``AHEAD``: each whole block asks L2 for the next block's values and keys (:data:`PREFETCH`; not in a launch
+    holding value-sparse values, whose registers it would spill: 12–60 bytes on sm_80 with every kind); ``RAGGED``: a
     segment's tokens keep different numbers of channels (:func:`~.triton_compact._keys`; off: not compiled in);
     ``VSPARSE``: some item's values are value-sparse (Mustafar's values, ``value_ratio`` > 0): such an item rebuilds
     each block of values from their masks and kept entries as :func:`~.triton_compact._keys` rebuilds keys without a
@@ -224,6 +243,8 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     n_struct = tl.load(item + 7, mask=real, other=0).to(tl.int32)
     n_bare = tl.load(item + 8, mask=real, other=0).to(tl.int32)
     n_plain = tl.load(item + 9, mask=real, other=0).to(tl.int32)
+    if TK > 0:  # (where the item's structured members' gather rows start)
+        g_start = tl.load(item + 14, mask=real, other=0)
     ELEM: tl.constexpr = elem_ptr.dtype.element_ty
     r = tl.arange(0, RPM * MEMBERS)
     member = r // RPM
@@ -232,8 +253,12 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     qh_r = tl.load(list_ptr + list_start + member, mask=member < count, other=0)
     c = tl.arange(0, D_PAD)
     cm = c < D
-    q = tl.load(q_ptr + (qh_r * q_stride + g * D)[:, None] + c[None, :], mask=row_ok[:, None] & cm[None, :],
-                other=0.0).to(tl.float32) * scale
+    raw = tl.load(q_ptr + (qh_r * q_stride + g * D)[:, None] + c[None, :], mask=row_ok[:, None] & cm[None, :],
+                  other=0.0)
+    q = raw.to(tl.float32) * scale
+    # bfloat16 queries over bfloat16 keys: the dense and structured keys' dots take the unscaled queries, exact in
+    # one bfloat16 term, and scale the logits (one tensor-core dot a block, not three, and no split of them here)
+    ONE: tl.constexpr = (ELEM == tl.bfloat16) and (q_ptr.dtype.element_ty == tl.bfloat16)
     if ELEM == tl.bfloat16 or WALK:  # the recovery's scale a (q ∘ a: the recovery term)
         aux = tl.load(aux_ptr + qh_r[:, None] * D + c[None, :], mask=row_ok[:, None] & cm[None, :], other=0.0)
     if ELEM == tl.bfloat16:  # the queries' and q ∘ a's bfloat16 splits, once (tensor-core dots, float32 products)
@@ -241,27 +266,36 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
         qa1, qa2, qa3 = _split3(q * aux)
     else:
         q1, q2, q3, qa1, qa2, qa3 = q, q, q, q, q, q
+    if ONE:
+        qd = raw
+    else:
+        qd = q1
     if WALK:  # the signed members' per-step tables (q, q ∘ a by channel; q ∘ a's nibble sums), then a barrier
         _walk_tables(walk_ptr, q, q * aux, qh_r, row_ok & (member >= n_plain) & (member < count), r, c, D, D_PAD,
                      RPM)
     if TK > 0:  # the structured members' queries at their kept channels (zero past them and in other rows)
         j = tl.arange(0, TK)
+        # (each member's kept count and channel indices from its gather row and the copy of its indices in the
+        # tables: one table row and the indices, every member's loads issued together, no chain through the
+        # head and segment rows, no store's bytes)
         own = row_ok & (member >= n_dense) & (member < n_struct)
-        seg_r = tl.load(head_ptr + qh_r * HEAD, mask=own, other=0)
-        t_r = tl.load(seg_ptr + seg_r * SEG + 1, mask=own, other=0)
-        chan_r = tl.load(seg_ptr + seg_r * SEG + 10, mask=own, other=0)
+        gather = list_ptr + g_start + 2 * member
+        t_r = tl.load(gather, mask=own, other=0)
+        chan_r = tl.load(gather + 1, mask=own, other=0)
         gm = own[:, None] & (j[None, :] < t_r[:, None])
         CHAN: tl.constexpr = tl.uint8 if D <= 256 else tl.int16
-        chan = tl.load((chan_r[:, None] + j[None, :] * (1 if D <= 256 else 2)).to(tl.pointer_type(CHAN),
-                                                                                    bitcast=True), mask=gm, other=0)
-        gq = tl.load(q_ptr + (qh_r * q_stride + g * D)[:, None] + chan.to(tl.int64), mask=gm,
-                     other=0.0).to(tl.float32) * scale
-        if ELEM == tl.bfloat16:
-            qg1, qg2, qg3 = _split3(gq)
-        else:
+        chan = tl.load(seg_ptr.to(tl.pointer_type(CHAN), bitcast=True) + chan_r[:, None] + j[None, :], mask=gm,
+                       other=0)
+        gq = tl.load(q_ptr + (qh_r * q_stride + g * D)[:, None] + chan.to(tl.int64), mask=gm, other=0.0)
+        if ONE:
             qg1, qg2, qg3 = gq, gq, gq
+        elif ELEM == tl.bfloat16:
+            qg1, qg2, qg3 = _split3(gq.to(tl.float32) * scale)
+        else:
+            qg1 = gq.to(tl.float32) * scale
+            qg2, qg3 = qg1, qg1
     else:
-        qg1, qg2, qg3 = q, q, q
+        qg1, qg2, qg3 = qd, qd, qd
     m_i = tl.full((RPM * MEMBERS,), float("-inf"), tl.float32)
     l_i = tl.zeros((RPM * MEMBERS, BLOCK_), tl.float32)  # per-column partial sums (one reduction, at the end)
     acc = tl.zeros((RPM * MEMBERS, D_PAD), tl.float32)
@@ -301,9 +335,9 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
             _prefetch(values + (t0 + BLOCK_) * D, tl.minimum(t_end - t0 - BLOCK_, BLOCK_) * D * ESIZE,
                       BLOCK_ * D_PAD * ESIZE // 64)
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
-                              qg3, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct,
-                              n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
-                              VALIGN, TK, PAIRS, False, KINDS, RPM, WALK, AHEAD, RAGGED)
+                              qg3, qd, scale, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense,
+                              n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
+                              VALIGN, TK, PAIRS, False, KINDS, RPM, WALK, AHEAD, RAGGED, ONE)
     for t0 in range(full_end, t_end, BLOCK_):
         if VSPARSE:
             if v_mask != 0:
@@ -314,9 +348,9 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
         else:
             v = tl.load(values + t0 * D + inside, mask=(tt < t_end - t0)[:, None] & cm[None, :], other=0.0)
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
-                              qg3, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct,
-                              n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
-                              VALIGN, TK, PAIRS, True, KINDS, RPM, WALK, AHEAD, RAGGED)
+                              qg3, qd, scale, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense,
+                              n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
+                              VALIGN, TK, PAIRS, True, KINDS, RPM, WALK, AHEAD, RAGGED, ONE)
     slot = tl.load(head_ptr + qh_r * HEAD + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
@@ -347,6 +381,9 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
     # the signed walk at a decode step (one block of query rows per head): its per-step tables, one per query head,
     # in a buffer of the launch (memory.step_work counts it)
     walk = getattr(tables, "walk_tab", None) is not None and n <= rpm
+    kinds, ragged, vsparse = (getattr(tables, "kinds", ALL_KINDS), bool(getattr(tables, "ragged", False)),
+                              bool(getattr(tables, "vsparse", False)))
+    warps = PARTIAL_WARPS[elem.element_size()]
     scratch = torch.empty(tables.head.numel() // HEAD_COLS * head_floats(d, rpm), dtype=torch.float32,
                           device=q.device) if walk else acc
     partials = (_partials_kernel, (max(tables.n_work, 1), triton.cdiv(n, rpm)),
@@ -355,9 +392,10 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
                 dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK[elem.element_size()],
                      ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
                      TK=getattr(tables, "width", 0), PAIRS=bool(getattr(tables, "pairs", False)),
-                     KINDS=getattr(tables, "kinds", ALL_KINDS), WALK=walk, AHEAD=PREFETCH,
-                     RAGGED=bool(getattr(tables, "ragged", False)), VSPARSE=bool(getattr(tables, "vsparse", False)),
-                     num_warps=PARTIAL_WARPS[elem.element_size()], num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
+                     KINDS=kinds, WALK=walk, AHEAD=PREFETCH[elem.element_size()] and not vsparse, RAGGED=ragged,
+                     VSPARSE=vsparse,
+                     num_warps=warps, num_stages=NUM_STAGES,
+                     maxnreg=max_registers(kinds, warps, n <= rpm, ragged, vsparse)))
     # a decode step's few rows: no padding to 16, except for bfloat16 tails (tensor-core dots need 16 rows)
     rm = ROWS if tail_keys.dtype == torch.bfloat16 else min(triton.next_power_of_2(n), ROWS)
     merge = (_merge_kernel, (heads, triton.cdiv(n, rm)),
