@@ -374,11 +374,11 @@ class FusedTables:
     def chunk_of(n: int, block: int = 16) -> int:
         """Tokens per work item for a value tensor of ``n`` tokens: 32 to 64 blocks (512–1024 tokens at 16), more
         work items for longer tensors (127.5K tokens: 125 per head) — so a work item's partial softmax (``(D + 2)·4``
-        bytes per query row) and what a program runs once (its table rows, its queries' bfloat16 splits, the
-        epilogue's stores: ~630 warp-instructions on sm_90, as many as 1.8 blocks of dense keys) stay a few per cent
-        of its work: a 512-token store (a KV-512 row) is one work item, not two (modelled, ``make bench``'s latency
-        table: SnapKV at KV 512 88 → 94% of the HBM bound, ThinK(0.8) 58 → 72%). It depends on the tensor alone, so
-        a row's splits (and its float32 sums) are the same in any batch."""
+        bytes per query row) and what a program runs once (its table rows and queries, the epilogue's stores: ~630
+        warp-instructions on sm_90, as many as 1.8 blocks of dense keys) stay a few per cent of its work: a 512-token
+        store (a KV-512 row) is one work item, not two (modelled, ``make bench``'s latency table, sm_90 GQA 4: SnapKV
+        at KV 512 88 → 94% of the HBM bound, ThinK(0.8) 58 → 72%, this alone). It depends on the tensor alone, so a
+        row's splits (and its float32 sums) are the same in any batch."""
         return block * max(32, min(64, n // (8 * block)))
 
     @classmethod

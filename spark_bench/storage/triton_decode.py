@@ -15,9 +15,11 @@ kept → ``k_tc``; pruned, mode 0 → ``f · a_c``; mode 1 (paper degenerate) �
 ``s_tc · sqrt(μ_t) · a_c``; mode 3 → every channel kept. ``a = aux_scale`` per query head (``1/q̄`` paper,
 ``1/sqrt(‖q‖)`` official, ones otherwise), so ``q · k̃`` equals the C++ kernel's formula (``engine/kernels``).
 
-bfloat16 stores score on the tensor cores with float32 products (the queries and ``q ∘ a`` split once per program
-into three bfloat16 terms, :func:`~.triton_math._split3`): ``q · k̃ = q · K + scale_t · (q ∘ a) · S`` with ``K`` the
-kept entries at their channels and ``S`` the pruned entries' signs, both exact in bfloat16 (:mod:`.triton_compact`);
+bfloat16 stores score on the tensor cores with float32 products: ``q · k̃ = q · K + scale_t · (q ∘ a) · S`` with
+``K`` the kept entries at their channels and ``S`` the pruned entries' signs, both exact in bfloat16
+(:mod:`.triton_compact`); ``q ∘ a`` is split once per program into three bfloat16 terms
+(:func:`~.triton_math._split3`), and so are the scaled queries when they come in float32, while bfloat16 queries (a
+bfloat16 model's) are exact in one term: ``q · K`` is then one dot against them, unscaled, times the scale (``ONE``).
 float32 stores rebuild the float32 keys and use an FMA dot (``input_precision=DOT_PRECISION``).
 
 Rows sharing a value tensor (configs with the same eviction selection) are stacked into the rows of one program
@@ -25,7 +27,8 @@ Rows sharing a value tensor (configs with the same eviction selection) are stack
 sorted by kind (:class:`~spark_bench.storage.segments.FusedTables`, per work item), and each kind has its own member
 loop inside the token loop, specialised to it: dense keys (eviction only, a full row: rows of ``D`` channels loaded
 like the values); structured keys (ThinK's channel subset, in work items before its recent dense tokens: each token's
-``T`` kept entries against the queries gathered at those channels once per program, a ``TK``-deep dot, no mask read);
+``T`` kept entries against the queries gathered at those channels once per program — the channel indices read from
+the tables' copy through the item's gather rows —, a ``TK``-deep dot, no mask read);
 keys whose pruned entries read as 0 (SparK's zero/none recoveries, AdaKV rows, ThinK's item holding its recent
 tokens: no recovery term); compact keys with a recovery without signs (SparK's paper/constant recoveries); with signs
 (SparK's official recovery: at a decode step walked over each token's kept entries where they are stored,
@@ -68,10 +71,12 @@ NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does
 # ptxas given no register limit caps these kernels at 64/80/128 registers (3-4 or 2 CTAs per SM of 256 threads) and
 # spills; stated as 255, it allocates what the code needs and spills nothing (results/bench/compile.json)
 MAX_REGISTERS = 255
+MERGE_WARPS = 4  # the merge of a decode step (a few query rows per head)
+MERGE_BLOCK = 16  # tail tokens per step of the merge
 # a decode step's bfloat16 launch (4 warps) whose work items hold no recovering member (dense, structured and bare
 # keys alone: full, eviction, ThinK, zero/none recoveries, AdaKV) and no ragged or value-sparse store fits 168
 # registers without a spill (sm_80/sm_90, D 64/128; results/bench/compile.json): 3 CTAs per SM, not 2 — half again
-# the bytes in flight (sm_90 D=128 GQA 4 ThinK(0.8): 12 → 18 KB per SM, modelled)
+# the bytes in flight (sm_90 D=128 GQA 4, modelled: ThinK(0.8) 12 → 21 KB per SM, a dense row 17 → 31 KB)
 LEAN_REGISTERS = 168
 RECOVERING = (1 << KINDS.index("plain")) | (1 << KINDS.index("signed"))
 
@@ -81,8 +86,6 @@ def max_registers(kinds: int, warps: int, step: bool, ragged: bool, vsparse: boo
     4-warp launch without recovering members, ragged or value-sparse stores, else :data:`MAX_REGISTERS`."""
     lean = warps == 4 and step and not kinds & RECOVERING and not ragged and not vsparse
     return LEAN_REGISTERS if lean else MAX_REGISTERS
-MERGE_WARPS = 4  # the merge of a decode step (a few query rows per head)
-MERGE_BLOCK = 16  # tail tokens per step of the merge
 
 
 @triton.jit
@@ -110,8 +113,7 @@ def _into(s, sm, member, m, live, MASKED: tl.constexpr):
 
 @triton.jit
 def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2, qg3, qd, scale, member,
-          heads,
-          head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr,
+          heads, head_ptr, seg_ptr, aux_ptr, c, n_dense, n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr,
           ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROWS_: tl.constexpr,
           BLOCK_: tl.constexpr, VALIGN: tl.constexpr, TK: tl.constexpr, PAIRS: tl.constexpr, MASKED: tl.constexpr,
           KINDS: tl.constexpr, RPM: tl.constexpr, WALK: tl.constexpr, AHEAD: tl.constexpr,
