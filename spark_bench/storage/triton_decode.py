@@ -381,10 +381,11 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
         acc = torch.empty(tables.n_slots, n, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(tables.n_slots, n, 2, dtype=torch.float32, device=q.device)
     # the signed walk at a decode step (one block of query rows per head): its per-step tables, one per query head,
-    # in a buffer of the launch (memory.step_work counts it)
-    walk = getattr(tables, "walk_tab", None) is not None and n <= rpm
+    # in a buffer of the launch (memory.step_work counts it); not in a float32 launch holding a ragged store, whose
+    # registers it would spill (sm_80, D = 128, every kind: 4–12 bytes) — its signed rows take the compact loop
     kinds, ragged, vsparse = (getattr(tables, "kinds", ALL_KINDS), bool(getattr(tables, "ragged", False)),
                               bool(getattr(tables, "vsparse", False)))
+    walk = getattr(tables, "walk_tab", None) is not None and n <= rpm and not (ragged and elem.element_size() == 4)
     warps = PARTIAL_WARPS[elem.element_size()]
     scratch = torch.empty(tables.head.numel() // HEAD_COLS * head_floats(d, rpm), dtype=torch.float32,
                           device=q.device) if walk else acc
