@@ -242,7 +242,8 @@ FUSED_CASES = [  # head_dim, group, q_len, dtype, chunk: every kind in one launc
     (64, 3, 1, torch.bfloat16, None), (32, 2, 3, torch.float32, 48), (96, 4, 1, torch.float32, None),
     (128, 4, 1, torch.bfloat16, 48), (32, 4, 5, torch.bfloat16, None),  # (20 query rows: two merge programs)
     (64, 4, 1, torch.bfloat16, 48, ["dense", "think_no_window", "think_window"]),
-    (64, 2, 1, torch.float32, None)]  # (float32, ragged stores, a decode step: signed rows through the compact loop)
+    (64, 2, 1, torch.float32, None, ["spark_official", "mustafar_tied", "spark_p_zero", "think_no_window", "dense"])]
+# (the last: float32 at a decode step with ragged stores, its walkable signed row through the compact loop)
 
 
 @pytest.mark.parametrize("head_dim,group,q_len,dtype,chunk,only", [(*c, None)[:6] for c in FUSED_CASES],
