@@ -410,6 +410,7 @@ class FusedTables:
         seg_rows, first, second, split = [], [-1] * n_heads, [-1] * n_heads, [1 << 62] * n_heads
         d8 = keys.head_dim // 8
         widest = 0  # the widest structured segment (the kernel's TK)
+        structured: dict = {}  # query head → its structured segment's (kept count, (channel-index part, offset))
         for row, fill, (cp, co) in zip(keys._rows, keys._fills, keys._chans):
             qh, out_off, n, t, kp, ko, mp, mo, ms, up, uo, sp, so, mode, gp, go = row
             if n * keys.head_dim >= 1 << 31:
@@ -424,6 +425,8 @@ class FusedTables:
             widest = max(widest, t if cp >= 0 else 0)
             if first[qh] < 0:
                 first[qh] = len(seg_rows) - 1
+                if cp >= 0 and t > 0:  # a structured head: its kept count and indices, copied into the tables
+                    structured[qh] = (t, (cp, co))
             elif mode != MODES["dense"]:  # the kernel reads a second segment as dense rows (ThinK's recent tokens)
                 raise ValueError(f"query head {qh}: a second key segment must be dense keys, got mode {mode}")
             else:
@@ -448,11 +451,6 @@ class FusedTables:
             slot_base.append(slots)
             slots += -(-tokens[qh] // chunks[qh])
         work, lists, gather, present = [], [], [], 0  # present: the kinds the work items hold, a bit each
-        # a structured head's (kept count, channel-index part and offset): its indices go into the tables
-        structured = {}
-        for i, (cp, co) in enumerate(keys._chans):
-            if cp >= 0 and seg_rows[i][1] > 0 and first[keys._rows[i][0]] == i:
-                structured[keys._rows[i][0]] = (seg_rows[i][1], (cp, co))
         modes = [r[8] for r in seg_rows]
         bare = [r[8] == MODES["dense"] or (r[8] == MODES["constant"] and r[9] == 0) for r in seg_rows]
 
