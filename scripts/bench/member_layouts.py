@@ -5,7 +5,7 @@ results/bench/member_layouts.json.
 token loop (``BLOCK_`` = 32 tokens per trip, 4 warps), one *member loop* trip per query head sharing the program's
 value reads. For a SparK row that loop is the *signed* one: kept entries placed at their channels by a 128-bit
 channel mask, the pruned channels recovered as ``√μ · Σ sign_c · qa_c`` (``qa = q · a``, the query times the
-channel's recovery scale). Here three other storage layouts of the same score, per member and token
+channel's recovery scale). Here other storage layouts of the same score, per member and token
 
     s_r = Σ_j k_j · q_r[idx_j]  +  √μ · Σ_{c pruned} sign_c · qa_r[c]        (r: the member's 4 query rows)
 
@@ -37,7 +37,15 @@ with empty words (all 26 kept in one word, or in 30 consecutive channels).
   next kept channel (ffs; an emptied word jumps to the next nonzero one by a 64 B table); the recovery of mask word
   W's pruned channels reads their pruned-order sign bits as one 32-bit window of the bit array and, per nibble, maps
   (pruned nibble, next 4 signs) to the positive channels (a 256 B table) to index B's nibble tables (8 KiB a member),
-  B's recovery formula after (the kept channels' qa gathered with their q). Shared tables 2,368 B.
+  B's recovery formula after (the kept channels' qa gathered with their q). Shared tables 2,368 B;
+* M: the mask (16 B) + the kept values (52 B) + μ (2 B) + B's 4 sign words in channel positions (16 B) = 86 B, the
+  other layout under the issue's 0.36 × 256 = 92.16 B cap: W's walk for the kept part, B's recovery (lane ``W``'s
+  positive word ``W``, 8 nibbles into B's nibble tables: no sign window, no expansion table);
+* T: M's bytes, placed in key tiles for the tensor cores instead of walked (:func:`_member_t`): every entry of a
+  (32 tokens, 128 channels) tile finds its kept value by the rank of its mask bit (a popcount each, then a gather),
+  a second tile of 0 / 1 / 2 (pruned −, kept, pruned +) from the mask and sign words, and the score is
+  ``q · Kᵀ + √μ · ((q ∘ a) · T2ᵀ − Σ_c qa)`` on the tensor cores (bfloat16 queries in one term, ``q ∘ a`` in three)
+  — the "tile from mask ranks" of the third round's open question, written in plain Triton.
 
 **Reading the result.** ``member_instructions`` are per warp per 32-token block (×4 warps per block). The estimate
 ``instr_per_byte`` = (L + n·M) · warps / (BLOCK · (V + n·K)) charges the real kernel's steady token loop (L, the
@@ -74,8 +82,9 @@ from spark_bench.storage.walk_layout import walk_table  # noqa: E402
 D, T, BLOCK, WARPS = 128, 26, 32, 4
 SIGNED = 1 << KINDS.index("signed")  # the partials kernel's KINDS for official-recovery SparK rows alone
 SPT = -(-T // 4)                      # kept slots per lane (7: a token's 26 entries over 4 lanes, 28 slots)
-LAYOUTS = {"A": 0, "B": 1, "C": 2, "W": 3}
-KEY_BYTES = {"today": 52 + 16 + 2 + 102 / 8, "A": 96, "B": 96, "C": 26 + 52 + 32 + 2, "W": 52 + 16 + 2 + 102 / 8}
+LAYOUTS = {"A": 0, "B": 1, "C": 2, "W": 3, "M": 4, "T": 5}
+KEY_BYTES = {"today": 52 + 16 + 2 + 102 / 8, "A": 96, "B": 96, "C": 26 + 52 + 32 + 2, "W": 52 + 16 + 2 + 102 / 8,
+             "M": 52 + 16 + 16 + 2, "T": 52 + 16 + 16 + 2}
 VALUE_BYTES = 2 * D
 BUDGET = 0.14
 CHECK = dict(n_tok=40, count=3)       # the interpreter check: one full block and an 8-token partial one, 3 members
@@ -203,13 +212,94 @@ def _member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.c
 
 
 @triton.jit
+def _member_m(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.constexpr, T: tl.constexpr,
+              SPT: tl.constexpr):
+    """M's (32 tokens, 4 rows) scores: W's walk over the kept entries, B's recovery from sign words in channel
+    positions (lane ``W``: positive word ``W``'s nibbles index B's nibble tables; no window, no expansion table)."""
+    TW = tl.arange(0, 4)[:, None, None]
+    W = tl.arange(0, 4)[None, :, None]
+    TL = tl.arange(0, 8)[None, None, :]
+    r = tl.arange(0, 4)[None, None, None, :].to(tl.uint32)
+    tt = t0 + TW * 8 + TL
+    x0, x1 = tl.load(mask_b + tt * 4), tl.load(mask_b + tt * 4 + 1)
+    x2, x3 = tl.load(mask_b + tt * 4 + 2), tl.load(mask_b + tt * 4 + 3)
+    pos = tl.load(sgn_b + tt * 4 + W)                 # word W's positive pruned channels (issued with the mask)
+    C1 = _popc(x0).to(tl.uint32)
+    C2 = C1 + _popc(x1).to(tl.uint32)
+    C3 = C2 + _popc(x2).to(tl.uint32)
+    rem, s8, nxt = _walk_start(x0, x1, x2, x3, C1, C2, C3, (W * SPT).to(tl.uint32), tab_b)
+    acc = tl.zeros((4, 4, 8, 4), tl.float32)
+    kqa = tl.zeros((4, 4, 8, 4), tl.float32)
+    for i in tl.static_range(SPT):
+        p = W * SPT + i
+        idx = s8 * 4 + _ffs(rem).to(tl.uint32) - 1
+        if i >= T - 3 * SPT:
+            idx = tl.where(p < T, idx, D)
+            k = tl.load(kept_b + tt * T + p, mask=p < T, other=0.0).to(tl.float32)
+        else:
+            k = tl.load(kept_b + tt * T + p).to(tl.float32)
+        if i < SPT - 1:
+            rem = rem & (rem - 1)
+            n8 = (nxt >> s8) & 0xFF
+            ez = rem == 0
+            rem = tl.where(ez, tl.where(n8 == 8, x1, tl.where(n8 == 16, x2, x3)), rem)
+            s8 = tl.where(ez, n8, s8)
+        ga = q_b + (idx * 8)[:, :, :, None] + r
+        acc = acc + k[:, :, :, None] * tl.load(ga)
+        kqa = kqa + tl.load(ga + 4)
+    rec = tl.zeros((4, 4, 8, 4), tl.float32)
+    for g in tl.static_range(8):
+        nib = ((pos >> (4 * g)) & 15).to(tl.uint32)
+        rec = rec + tl.load((lut_b + (W * 8 + g) * 64 + nib * 4)[:, :, :, None] + r)
+    smu = _sqrt_rn(tl.maximum(tl.load(mu_b + tt).to(tl.float32), 0.0))
+    acc = acc + smu[:, :, :, None] * (kqa + 2.0 * rec)
+    qat = tl.load(qat_b + tl.arange(0, 4))
+    out = tl.sum(acc, axis=1) - tl.reshape(smu, (4, 8))[:, :, None] * qat[None, None, :]
+    return tl.reshape(out, (32, 4))
+
+
+@triton.jit
+def _member_t(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, qat_b, t0, D: tl.constexpr, T: tl.constexpr):
+    """T's scores (16 rows, 32 tokens) of one member, M's bytes rebuilt as key tiles for the tensor cores: each entry
+    of a (32 tokens, 128 channels) tile placed by the rank of its mask bit (a popcount per entry) and read from the
+    kept values, a second tile of 0 / 1 / 2 (pruned −, kept, pruned +: exact in bfloat16) from the mask and the sign
+    words; ``qk · Kᵀ + √μ · ((q ∘ a) · T2ᵀ − Σ_c qa)`` (the recovery's ``q ∘ a`` as three bfloat16 terms, the queries
+    bfloat16). ``qk``, ``qa1..3``: the (16, D) query tiles, this member's rows among them."""
+    t = t0 + tl.arange(0, 32)
+    wi = tl.arange(0, 4)
+    x = tl.load(mask_b + t[:, None] * 4 + wi[None, :])                      # (32, 4) mask words
+    pos = tl.load(sgn_b + t[:, None] * 4 + wi[None, :])                     # (32, 4) positive pruned channels
+    cnt = _popc(x).to(tl.uint32)
+    before = tl.cumsum(cnt, axis=1) - cnt                                   # kept channels before each word
+    j = tl.arange(0, 32).to(tl.uint32)[None, None, :]
+    X = x[:, :, None]
+    bit = (X >> j) & 1
+    rank = before[:, :, None] + _popc(X & ((1 << j) - 1)).to(tl.uint32)
+    kv = tl.load(kept_b + t[:, None, None] * T + rank, mask=bit != 0, other=0.0)
+    two = (bit + 2 * ((pos[:, :, None] >> j) & 1)).to(tl.float32).to(tl.bfloat16)
+    K = tl.reshape(kv, (32, D))
+    T2 = tl.reshape(two, (32, D))
+    sk = tl.dot(qk, tl.trans(K))
+    sr = tl.dot(qa1, tl.trans(T2)) + tl.dot(qa2, tl.trans(T2), tl.dot(qa3, tl.trans(T2)))
+    smu = _sqrt_rn(tl.maximum(tl.load(mu_b + t).to(tl.float32), 0.0))
+    qat = tl.load(qat_b + tl.arange(0, 16))
+    return sk + smu[None, :] * (sr - qat[:, None])
+
+
+@triton.jit
 def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, qat_ptr, mask_ptr, tab_ptr, out_ptr,
                   count, t_start, t_end, n_tok, D: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
                   LAYOUT: tl.constexpr, SPT: tl.constexpr):
     """Scores (16, n_tok), rows 4m .. 4m + 3 for member m < count (-inf for the others), tokens t_start .. t_end."""
-    QW: tl.constexpr = 8 if LAYOUT == 1 or LAYOUT == 3 else 4
+    QW: tl.constexpr = 8 if LAYOUT == 1 or LAYOUT >= 3 else 4
     LUTN: tl.constexpr = 32 * 81 * 4 if LAYOUT == 2 else 32 * 16 * 4
     r16 = tl.arange(0, 16)
+    if LAYOUT == 5:  # T: the (16, D) query tiles, member m's 4 rows at 4m … (bfloat16 q, q ∘ a's three terms)
+        at = r16[:, None] * D + tl.arange(0, D)[None, :]
+        qk = tl.load(q_ptr + at).to(tl.bfloat16)
+        qa1 = tl.load(q_ptr + 16 * D + at).to(tl.bfloat16)
+        qa2 = tl.load(q_ptr + 32 * D + at).to(tl.bfloat16)
+        qa3 = tl.load(q_ptr + 48 * D + at).to(tl.bfloat16)
     for t0 in range(t_start, t_end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         live = t < t_end
@@ -218,11 +308,17 @@ def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, 
                                                                    lut_ptr, qat_ptr)
         mask_b = mask_ptr
         for m in range(0, count):
-            if LAYOUT == 3:
-                sm = tl.trans(_member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_ptr, t0, D, T, SPT))
+            if LAYOUT == 5:  # (its rows: the member's among the 16 the tiles give)
+                sm16 = _member_t(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, qat_ptr, t0, D, T)
             else:
-                sm = tl.trans(_member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D, T, LAYOUT, SPT))
-            sm16 = tl.reshape(tl.broadcast_to(sm[None, :, :], (4, 4, BLOCK)), (16, BLOCK))
+                if LAYOUT == 4:
+                    sm = tl.trans(_member_m(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_ptr, t0, D, T, SPT))
+                elif LAYOUT == 3:
+                    sm = tl.trans(_member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_ptr, t0, D, T, SPT))
+                else:
+                    sm = tl.trans(_member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D, T, LAYOUT,
+                                          SPT))
+                sm16 = tl.reshape(tl.broadcast_to(sm[None, :, :], (4, 4, BLOCK)), (16, BLOCK))
             s = tl.where((r16 // 4 == m)[:, None] & live[None, :], sm16, s)
             q_b += (D + 1) * QW
             idx_b += n_tok * T
@@ -242,7 +338,7 @@ def stores(n_tok: int, count: int, seed: int = 0) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(count, 4, D, generator=g) * 0.3
+    q = (torch.randn(count, 4, D, generator=g) * 0.3).bfloat16().float()  # (bfloat16 queries, as T's dot takes them)
     qa = q * (torch.rand(count, 1, D, generator=g) + 0.5)
     order = torch.stack([torch.randperm(D, generator=g)[:T] for _ in range(count * n_tok)]).view(count, n_tok, T)
     g2 = torch.Generator().manual_seed(seed + 1)  # masks with empty words: 26 kept in one word or in 30 in a row
@@ -275,6 +371,14 @@ def stores(n_tok: int, count: int, seed: int = 0) -> dict:
     sbits[:, SIGN_OFF.value:SIGN_OFF.value + n_tok * (D - T)] = (sign[~kept_mask] > 0).long().view(count, -1)
     tab = torch.frombuffer(bytearray(walk_table()), dtype=torch.uint8)  # (the real kernel's constant table)
 
+    def rows16(x):  # (count, 4, n) → (16, n): member m's rows at 4m …, zero past the members
+        return torch.cat([x.reshape(count * 4, -1), torch.zeros(16 - count * 4, x.shape[-1])])
+
+    def split3(x):  # float32 → three bfloat16-exact terms (as float32) summing to it
+        a1 = x.bfloat16().float()
+        a2 = (x - a1).bfloat16().float()
+        return a1, a2, (x - a1 - a2).bfloat16().float()
+
     def table(rows):  # (count, D + 1, 4): channel c's 4 query rows, row D zero (B's masked padding slots)
         return torch.cat([rows.transpose(1, 2), torch.zeros(count, 1, 4)], 1)
 
@@ -292,13 +396,15 @@ def stores(n_tok: int, count: int, seed: int = 0) -> dict:
                 lut_C=padded(torch.einsum("ei,mrgi->mger", trit, groups)),
                 qat=padded(qa.sum(-1)), mask=padded(u32(kept_mask.view(count, n_tok, 4, 32))),
                 kept_W=padded(kvals.gather(2, order.argsort(-1))), sgn_W=padded(u32(sbits.view(count, -1, 32))),
-                tab=padded(tab), ref=ref, ref_kept=ref_kept)
+                tab=padded(tab), ref=ref, ref_kept=ref_kept, q_T=padded(torch.cat([rows16(q), *split3(rows16(qa))])),
+                qat_T=padded(rows16(qa.sum(-1, keepdim=True))))
 
 
 def _arguments(layout: str, x: dict, n_tok: int, count: int, out):
     lut, w = x["lut_C" if layout == "C" else "lut_B"], "_W" if layout == "W" else ""
-    args = (x["q8" if layout in "BW" else "q4"], x["idx"], x["kept" + w], x["mu"], x["sgn" + w], x["code"], lut,
-            x["qat"], x["mask"], x["tab"], out, count, 0, n_tok, n_tok)
+    q = x["q_T"] if layout == "T" else x["q8" if layout in "BWM" else "q4"]
+    args = (q, x["idx"], x["kept" + ("_W" if layout in "MT" else w)], x["mu"], x["sgn" + w], x["code"], lut,
+            x["qat_T" if layout == "T" else "qat"], x["mask"], x["tab"], out, count, 0, n_tok, n_tok)
     return args, dict(D=D, T=T, BLOCK=BLOCK, LAYOUT=LAYOUTS[layout], SPT=SPT)
 
 
