@@ -40,7 +40,8 @@ with empty words (all 26 kept in one word, or in 30 consecutive channels).
   B's recovery formula after (the kept channels' qa gathered with their q). Shared tables 2,368 B;
 * M: the mask (16 B) + the kept values (52 B) + μ (2 B) + B's 4 sign words in channel positions (16 B) = 86 B, the
   other layout under the issue's 0.36 × 256 = 92.16 B cap: W's walk for the kept part, B's recovery (lane ``W``'s
-  positive word ``W``, 8 nibbles into B's nibble tables: no sign window, no expansion table);
+  positive word ``W``, 8 nibbles into B's nibble tables: no sign window, no expansion table: :func:`_member_w`
+  with ``CHANNEL_SIGNS``);
 * T: M's bytes, placed in key tiles for the tensor cores instead of walked (:func:`_member_t`): every entry of a
   (32 tokens, 128 channels) tile finds its kept value by the rank of its mask bit (a popcount each, then a gather),
   a second tile of 0 / 1 / 2 (pruned −, kept, pruned +) from the mask and sign words, and the score is
@@ -154,9 +155,11 @@ def _member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D: tl.con
 
 @triton.jit
 def _member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.constexpr, T: tl.constexpr,
-              SPT: tl.constexpr):
+              SPT: tl.constexpr, CHANNEL_SIGNS: tl.constexpr):
     """W's (32 tokens, 4 rows) scores (tiles as :func:`_member`; ``tab_b``: the 2 KiB select, 64 B next-word and
-    256 B expansion tables, in that order)."""
+    256 B expansion tables, in that order). ``CHANNEL_SIGNS``: M's, the same walk with B's recovery from sign words
+    in channel positions (lane ``W``: positive word ``W``'s nibbles index B's nibble tables; no window, no expansion
+    table)."""
     TW = tl.arange(0, 4)[:, None, None]
     W = tl.arange(0, 4)[None, :, None]
     TL = tl.arange(0, 8)[None, None, :]
@@ -164,6 +167,8 @@ def _member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.c
     tt = t0 + TW * 8 + TL
     x0, x1 = tl.load(mask_b + tt * 4), tl.load(mask_b + tt * 4 + 1)
     x2, x3 = tl.load(mask_b + tt * 4 + 2), tl.load(mask_b + tt * 4 + 3)
+    if CHANNEL_SIGNS:
+        pos = tl.load(sgn_b + tt * 4 + W)             # word W's positive pruned channels (issued with the mask)
     C1 = _popc(x0).to(tl.uint32)                      # kept channels before words 1, 2, 3
     C2 = C1 + _popc(x1).to(tl.uint32)
     C3 = C2 + _popc(x2).to(tl.uint32)
@@ -187,70 +192,28 @@ def _member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.c
         ga = q_b + (idx * 8)[:, :, :, None] + r
         acc = acc + k[:, :, :, None] * tl.load(ga)
         kqa = kqa + tl.load(ga + 4)
-    xw = tl.where(W == 0, x0, tl.where(W == 1, x1, tl.where(W == 2, x2, x3)))
-    cw = tl.where(W == 0, 0, tl.where(W == 1, C1, tl.where(W == 2, C2, C3))).to(tl.int32)
-    notm = ~xw                                        # word W's pruned channels, their signs from bit `start` on
-    start = tt * (D - T) + 32 * W - cw + SIGN_OFF
-    lo = tl.load(sgn_b + (start >> 5))
-    hi = tl.load(sgn_b + (start >> 5) + 1)
-    window = ((lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)) >> (start & 31).to(tl.uint64)).to(tl.uint32)
     rec = tl.zeros((4, 4, 8, 4), tl.float32)
-    for g in tl.static_range(8):                      # nibble g: (pruned nibble, next 4 signs) → positive nibble
-        if g == 0:
-            ix = ((notm << 4) & 0xF0) | (window & 0xF)
-        else:
-            ix = ((notm >> (4 * g - 4)) & 0xF0) | (window & 0xF)
-        ex = tl.load(tab_b + 2112 + ix).to(tl.uint32)
-        rec = rec + tl.load((lut_b + (W * 8 + g) * 64 + ex * 4)[:, :, :, None] + r)
-        if g < 7:
-            window = window >> _popc(notm & (15 << (4 * g))).to(tl.uint32)
-    smu = _sqrt_rn(tl.maximum(tl.load(mu_b + tt).to(tl.float32), 0.0))
-    acc = acc + smu[:, :, :, None] * (kqa + 2.0 * rec)
-    qat = tl.load(qat_b + tl.arange(0, 4))
-    out = tl.sum(acc, axis=1) - tl.reshape(smu, (4, 8))[:, :, None] * qat[None, None, :]
-    return tl.reshape(out, (32, 4))
-
-
-@triton.jit
-def _member_m(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.constexpr, T: tl.constexpr,
-              SPT: tl.constexpr):
-    """M's (32 tokens, 4 rows) scores: W's walk over the kept entries, B's recovery from sign words in channel
-    positions (lane ``W``: positive word ``W``'s nibbles index B's nibble tables; no window, no expansion table)."""
-    TW = tl.arange(0, 4)[:, None, None]
-    W = tl.arange(0, 4)[None, :, None]
-    TL = tl.arange(0, 8)[None, None, :]
-    r = tl.arange(0, 4)[None, None, None, :].to(tl.uint32)
-    tt = t0 + TW * 8 + TL
-    x0, x1 = tl.load(mask_b + tt * 4), tl.load(mask_b + tt * 4 + 1)
-    x2, x3 = tl.load(mask_b + tt * 4 + 2), tl.load(mask_b + tt * 4 + 3)
-    pos = tl.load(sgn_b + tt * 4 + W)                 # word W's positive pruned channels (issued with the mask)
-    C1 = _popc(x0).to(tl.uint32)
-    C2 = C1 + _popc(x1).to(tl.uint32)
-    C3 = C2 + _popc(x2).to(tl.uint32)
-    rem, s8, nxt = _walk_start(x0, x1, x2, x3, C1, C2, C3, (W * SPT).to(tl.uint32), tab_b)
-    acc = tl.zeros((4, 4, 8, 4), tl.float32)
-    kqa = tl.zeros((4, 4, 8, 4), tl.float32)
-    for i in tl.static_range(SPT):
-        p = W * SPT + i
-        idx = s8 * 4 + _ffs(rem).to(tl.uint32) - 1
-        if i >= T - 3 * SPT:
-            idx = tl.where(p < T, idx, D)
-            k = tl.load(kept_b + tt * T + p, mask=p < T, other=0.0).to(tl.float32)
-        else:
-            k = tl.load(kept_b + tt * T + p).to(tl.float32)
-        if i < SPT - 1:
-            rem = rem & (rem - 1)
-            n8 = (nxt >> s8) & 0xFF
-            ez = rem == 0
-            rem = tl.where(ez, tl.where(n8 == 8, x1, tl.where(n8 == 16, x2, x3)), rem)
-            s8 = tl.where(ez, n8, s8)
-        ga = q_b + (idx * 8)[:, :, :, None] + r
-        acc = acc + k[:, :, :, None] * tl.load(ga)
-        kqa = kqa + tl.load(ga + 4)
-    rec = tl.zeros((4, 4, 8, 4), tl.float32)
-    for g in tl.static_range(8):
-        nib = ((pos >> (4 * g)) & 15).to(tl.uint32)
-        rec = rec + tl.load((lut_b + (W * 8 + g) * 64 + nib * 4)[:, :, :, None] + r)
+    if CHANNEL_SIGNS:
+        for g in tl.static_range(8):
+            nib = ((pos >> (4 * g)) & 15).to(tl.uint32)
+            rec = rec + tl.load((lut_b + (W * 8 + g) * 64 + nib * 4)[:, :, :, None] + r)
+    else:
+        xw = tl.where(W == 0, x0, tl.where(W == 1, x1, tl.where(W == 2, x2, x3)))
+        cw = tl.where(W == 0, 0, tl.where(W == 1, C1, tl.where(W == 2, C2, C3))).to(tl.int32)
+        notm = ~xw                                    # word W's pruned channels, their signs from bit `start` on
+        start = tt * (D - T) + 32 * W - cw + SIGN_OFF
+        lo = tl.load(sgn_b + (start >> 5))
+        hi = tl.load(sgn_b + (start >> 5) + 1)
+        window = ((lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)) >> (start & 31).to(tl.uint64)).to(tl.uint32)
+        for g in tl.static_range(8):                  # nibble g: (pruned nibble, next 4 signs) → positive nibble
+            if g == 0:
+                ix = ((notm << 4) & 0xF0) | (window & 0xF)
+            else:
+                ix = ((notm >> (4 * g - 4)) & 0xF0) | (window & 0xF)
+            ex = tl.load(tab_b + 2112 + ix).to(tl.uint32)
+            rec = rec + tl.load((lut_b + (W * 8 + g) * 64 + ex * 4)[:, :, :, None] + r)
+            if g < 7:
+                window = window >> _popc(notm & (15 << (4 * g))).to(tl.uint32)
     smu = _sqrt_rn(tl.maximum(tl.load(mu_b + tt).to(tl.float32), 0.0))
     acc = acc + smu[:, :, :, None] * (kqa + 2.0 * rec)
     qat = tl.load(qat_b + tl.arange(0, 4))
@@ -311,10 +274,9 @@ def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, 
             if LAYOUT == 5:  # (its rows: the member's among the 16 the tiles give)
                 sm16 = _member_t(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, qat_ptr, t0, D, T)
             else:
-                if LAYOUT == 4:
-                    sm = tl.trans(_member_m(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_ptr, t0, D, T, SPT))
-                elif LAYOUT == 3:
-                    sm = tl.trans(_member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_ptr, t0, D, T, SPT))
+                if LAYOUT == 3 or LAYOUT == 4:  # (M: W's walk, signs in channel positions)
+                    sm = tl.trans(_member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_ptr, t0, D, T, SPT,
+                                            LAYOUT == 4))
                 else:
                     sm = tl.trans(_member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D, T, LAYOUT,
                                           SPT))
