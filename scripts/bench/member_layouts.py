@@ -46,15 +46,25 @@ with empty words (all 26 kept in one word, or in 30 consecutive channels).
   (32 tokens, 128 channels) tile finds its kept value by the rank of its mask bit (a popcount each, then a gather),
   a second tile of 0 / 1 / 2 (pruned −, kept, pruned +) from the mask and sign words, and the score is
   ``q · Kᵀ + √μ · ((q ∘ a) · T2ᵀ − Σ_c qa)`` on the tensor cores (bfloat16 queries in one term, ``q ∘ a`` in three)
-  — the "tile from mask ranks" of the third round's open question, written in plain Triton.
+  — the "tile from mask ranks" of the third round's open question, written in plain Triton;
+* P: T's tiles built a nibble at a time (:func:`_member_p`): per (token, mask word, nibble) one popcount gives the
+  nibble's first kept rank, its four kept values from there are loaded and placed at its kept channels by two byte
+  permutes (``PRMT``, inline PTX; an interpreter twin) whose selectors and zero masks come from a 16-entry table, and
+  the 0 / 1 / 2 tile's four entries from a 256-entry table (:func:`permute_table`);
+* Q: P on today's bytes (82.75 B): a nibble's positive channels expanded from the pruned-order sign bits as W
+  expands them (its word's signs as one 32-bit window, the walk's (pruned nibble, next 4 signs) table).
+
+**GQA 8.** W, M, T, P and Q are also written for 8 query rows a member (``R``; the real kernel's signed launch at
+``group`` 8): the walks' FMAs and gathers grow with the rows, a tile's dot covers 16 rows whatever a member holds.
 
 **Reading the result.** ``member_instructions`` are per warp per 32-token block (×4 warps per block). The estimate
 ``instr_per_byte`` = (L + n·M) · warps / (BLOCK · (V + n·K)) charges the real kernel's steady token loop (L, the
 instructions a block of SparK members runs, measured here) plus n member loops (M) against the bytes the block
-reads: V = 256 B of bf16 values per token, K key bytes per member; ``one_row``: n = 1, ``four_members``: n = 4. At the bandwidth limit an H100 issues
-about 0.14 warp-instructions per byte (``scripts/bench/instructions.py``'s budget): below it the loop is
-bandwidth-bound. ``max_abs_err`` is the interpreter check's largest error (``max_abs_score`` its scale).
-``real_kernel.source``: the commit the baseline was compiled from (the working tree; marked if it had edits).
+reads: V = 256 B of bf16 values per token, K key bytes per member; ``one_row``: n = 1, ``four_members``: n = 4
+(``gqa8``: L and M at group 8, ``two_members``: n = 2). At the bandwidth limit an H100 issues about 0.14
+warp-instructions per byte (``scripts/bench/instructions.py``'s budget): below it the loop is bandwidth-bound.
+``max_abs_err`` is the interpreter check's largest error (``max_abs_score`` its scale). ``real_kernel.source``: the
+commit the baseline was compiled from (the working tree; marked if it had edits).
 
     python scripts/bench/member_layouts.py [out.json]
 """
@@ -76,16 +86,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from spark_bench.storage.gpu_compile import Launch, _target, _tool, compile_launch, guarded, parse_sass  # noqa: E402
 from spark_bench.storage.segments import KINDS  # noqa: E402
-from spark_bench.storage.triton_math import _ffs, _popc  # noqa: E402
+from spark_bench.storage.triton_math import INTERPRET, _ffs, _popc  # noqa: E402
 from spark_bench.storage.triton_walk import SLOTS, _walk_start  # noqa: E402
 from spark_bench.storage.walk_layout import walk_table  # noqa: E402
 
 D, T, BLOCK, WARPS = 128, 26, 32, 4
 SIGNED = 1 << KINDS.index("signed")  # the partials kernel's KINDS for official-recovery SparK rows alone
 SPT = -(-T // 4)                      # kept slots per lane (7: a token's 26 entries over 4 lanes, 28 slots)
-LAYOUTS = {"A": 0, "B": 1, "C": 2, "W": 3, "M": 4, "T": 5}
+LAYOUTS = {"A": 0, "B": 1, "C": 2, "W": 3, "M": 4, "T": 5, "P": 6, "Q": 7}
 KEY_BYTES = {"today": 52 + 16 + 2 + 102 / 8, "A": 96, "B": 96, "C": 26 + 52 + 32 + 2, "W": 52 + 16 + 2 + 102 / 8,
-             "M": 52 + 16 + 16 + 2, "T": 52 + 16 + 16 + 2}
+             "M": 52 + 16 + 16 + 2, "T": 52 + 16 + 16 + 2,
+             "P": 52 + 16 + 16 + 2, "Q": 52 + 16 + 2 + 102 / 8}
 VALUE_BYTES = 2 * D
 BUDGET = 0.14
 CHECK = dict(n_tok=40, count=3)       # the interpreter check: one full block and an 8-token partial one, 3 members
@@ -155,15 +166,15 @@ def _member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D: tl.con
 
 @triton.jit
 def _member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.constexpr, T: tl.constexpr,
-              SPT: tl.constexpr, CHANNEL_SIGNS: tl.constexpr):
-    """W's (32 tokens, 4 rows) scores (tiles as :func:`_member`; ``tab_b``: the 2 KiB select, 64 B next-word and
+              SPT: tl.constexpr, CHANNEL_SIGNS: tl.constexpr, R: tl.constexpr = 4):
+    """W's (32 tokens, ``R`` rows) scores (tiles as :func:`_member`; ``tab_b``: the 2 KiB select, 64 B next-word and
     256 B expansion tables, in that order). ``CHANNEL_SIGNS``: M's, the same walk with B's recovery from sign words
     in channel positions (lane ``W``: positive word ``W``'s nibbles index B's nibble tables; no window, no expansion
     table)."""
     TW = tl.arange(0, 4)[:, None, None]
     W = tl.arange(0, 4)[None, :, None]
     TL = tl.arange(0, 8)[None, None, :]
-    r = tl.arange(0, 4)[None, None, None, :].to(tl.uint32)
+    r = tl.arange(0, R)[None, None, None, :].to(tl.uint32)
     tt = t0 + TW * 8 + TL
     x0, x1 = tl.load(mask_b + tt * 4), tl.load(mask_b + tt * 4 + 1)
     x2, x3 = tl.load(mask_b + tt * 4 + 2), tl.load(mask_b + tt * 4 + 3)
@@ -173,8 +184,8 @@ def _member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.c
     C2 = C1 + _popc(x1).to(tl.uint32)
     C3 = C2 + _popc(x2).to(tl.uint32)
     rem, s8, nxt = _walk_start(x0, x1, x2, x3, C1, C2, C3, (W * SPT).to(tl.uint32), tab_b)  # (the real kernel's)
-    acc = tl.zeros((4, 4, 8, 4), tl.float32)
-    kqa = tl.zeros((4, 4, 8, 4), tl.float32)
+    acc = tl.zeros((4, 4, 8, R), tl.float32)
+    kqa = tl.zeros((4, 4, 8, R), tl.float32)
     for i in tl.static_range(SPT):
         p = W * SPT + i
         idx = s8 * 4 + _ffs(rem).to(tl.uint32) - 1
@@ -189,14 +200,14 @@ def _member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.c
             ez = rem == 0
             rem = tl.where(ez, tl.where(n8 == 8, x1, tl.where(n8 == 16, x2, x3)), rem)
             s8 = tl.where(ez, n8, s8)
-        ga = q_b + (idx * 8)[:, :, :, None] + r
+        ga = q_b + (idx * (2 * R))[:, :, :, None] + r
         acc = acc + k[:, :, :, None] * tl.load(ga)
-        kqa = kqa + tl.load(ga + 4)
-    rec = tl.zeros((4, 4, 8, 4), tl.float32)
+        kqa = kqa + tl.load(ga + R)
+    rec = tl.zeros((4, 4, 8, R), tl.float32)
     if CHANNEL_SIGNS:
         for g in tl.static_range(8):
             nib = ((pos >> (4 * g)) & 15).to(tl.uint32)
-            rec = rec + tl.load((lut_b + (W * 8 + g) * 64 + nib * 4)[:, :, :, None] + r)
+            rec = rec + tl.load((lut_b + (W * 8 + g) * (16 * R) + nib * R)[:, :, :, None] + r)
     else:
         xw = tl.where(W == 0, x0, tl.where(W == 1, x1, tl.where(W == 2, x2, x3)))
         cw = tl.where(W == 0, 0, tl.where(W == 1, C1, tl.where(W == 2, C2, C3))).to(tl.int32)
@@ -211,14 +222,14 @@ def _member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.c
             else:
                 ix = ((notm >> (4 * g - 4)) & 0xF0) | (window & 0xF)
             ex = tl.load(tab_b + 2112 + ix).to(tl.uint32)
-            rec = rec + tl.load((lut_b + (W * 8 + g) * 64 + ex * 4)[:, :, :, None] + r)
+            rec = rec + tl.load((lut_b + (W * 8 + g) * (16 * R) + ex * R)[:, :, :, None] + r)
             if g < 7:
                 window = window >> _popc(notm & (15 << (4 * g))).to(tl.uint32)
     smu = _sqrt_rn(tl.maximum(tl.load(mu_b + tt).to(tl.float32), 0.0))
     acc = acc + smu[:, :, :, None] * (kqa + 2.0 * rec)
-    qat = tl.load(qat_b + tl.arange(0, 4))
+    qat = tl.load(qat_b + tl.arange(0, R))
     out = tl.sum(acc, axis=1) - tl.reshape(smu, (4, 8))[:, :, None] * qat[None, None, :]
-    return tl.reshape(out, (32, 4))
+    return tl.reshape(out, (32, R))
 
 
 @triton.jit
@@ -250,14 +261,95 @@ def _member_t(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, qat_b, t0, D: tl.c
 
 
 @triton.jit
+def _prmt(a, b, sel):
+    """PTX ``prmt.b32`` (default mode; selector nibbles < 8): byte ``i`` of the result is byte ``(sel >> 4i) & 7`` of
+    ``{b, a}`` (0–3: ``a``'s, 4–7: ``b``'s) — one byte permute; under the interpreter the same by shifts."""
+    if INTERPRET:
+        out = tl.zeros_like(a)
+        for i in tl.static_range(4):
+            n = (sel >> (4 * i)) & 7
+            out = out | (((tl.where(n < 4, a, b) >> ((n & 3) * 8)) & 0xFF) << (8 * i))
+        return out
+    else:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16_tile(lo, hi):
+    """(32 tokens, 4 words, 8 nibbles) pairs of bfloat16 bit patterns (a nibble's channels 0, 1 in ``lo``, 2, 3 in
+    ``hi``) → the (32, 128) bfloat16 tile, channel ``32w + 4g + j``."""
+    c0 = (lo & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    c1 = (lo >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    c2 = (hi & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    c3 = (hi >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (32, 128))
+
+
+@triton.jit
+def _member_p(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, ptab, tab_b, qat_b, t0, D: tl.constexpr,
+              T: tl.constexpr, WINDOW: tl.constexpr):
+    """P's scores (16 rows, 32 tokens): T's tiles built a nibble at a time. Per (token, mask word, nibble): the
+    nibble's first kept rank (the word's kept channels before it: one popcount), its four kept values from there
+    loaded and paired, and placed at the nibble's kept channels by two byte permutes (``PRMT``) whose selectors and
+    zero masks come from a 16-entry table by the mask nibble; the 0 / 1 / 2 tile's four entries from a 256-entry table
+    by (mask nibble, sign nibble). Dots as T's. ``WINDOW`` (Q: today's bytes, signs in pruned order): a nibble's
+    sign nibble is its positive channels, expanded as W expands them — its word's pruned signs read as one 32-bit
+    window (two words), shifted past the nibbles before it, the (pruned nibble, next 4 signs) → positive nibble table
+    (the walk's constant table)."""
+    t = t0 + tl.arange(0, 32)
+    wi = tl.arange(0, 4)
+    x = tl.load(mask_b + t[:, None] * 4 + wi[None, :])                      # (32, 4) mask words
+    if not WINDOW:
+        pos = tl.load(sgn_b + t[:, None] * 4 + wi[None, :])                 # (32, 4) positive pruned channels
+    cnt = _popc(x).to(tl.uint32)
+    before = tl.cumsum(cnt, axis=1) - cnt
+    if WINDOW:  # word w's pruned channels' signs, from bit `start` of the member's sign bits
+        start = (t[:, None] * (D - T) + 32 * wi[None, :] - before.to(tl.int32) + SIGN_OFF).to(tl.uint32)
+        lo = tl.load(sgn_b + (start >> 5))
+        hi = tl.load(sgn_b + (start >> 5) + 1)
+        window = ((lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)) >> (start & 31).to(tl.uint64)).to(tl.uint32)
+    g4 = (tl.arange(0, 8) * 4).to(tl.uint32)[None, None, :]
+    X = x[:, :, None]
+    nib = (X >> g4) & 15                                                    # (32, 4, 8)
+    below = _popc(X & ((1 << g4) - 1)).to(tl.uint32)                      # kept channels of the word before it
+    rk = before[:, :, None] + below                                         # the nibble's first kept rank
+    kb = kept_b.to(tl.pointer_type(tl.uint16), bitcast=True) + t[:, None, None] * T + rk
+    a01 = tl.load(kb).to(tl.uint32) | (tl.load(kb + 1).to(tl.uint32) << 16)
+    a23 = tl.load(kb + 2).to(tl.uint32) | (tl.load(kb + 3).to(tl.uint32) << 16)
+    # (selectors, zero masks) of the nibble: one 16-byte row; the 0 / 1 / 2 entries: one 8-byte row
+    sel = tl.load((ptab + nib * 4)[:, :, :, None] + tl.arange(0, 4)[None, None, None, :])
+    first, second = tl.split(tl.reshape(sel, (32, 4, 8, 2, 2)))            # (sel0, zm0), (sel1, zm1)
+    s0, z0 = tl.split(first)
+    s1, z1 = tl.split(second)
+    k01 = _prmt(a01, a23, s0) & z0
+    k23 = _prmt(a01, a23, s1) & z1
+    if WINDOW:  # (the pruned channels before nibble g: 4g − the kept ones)
+        signs = (window[:, :, None] >> (g4 - below)) & 15
+        plus = tl.load(tab_b + 2112 + ((~nib & 15) * 16 + signs)).to(tl.uint32)
+    else:
+        plus = (pos[:, :, None] >> g4) & 15
+    two = ptab + 64 + (nib | (plus << 4)) * 2
+    u01, u23 = tl.split(tl.load(two[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]))
+    K = _bf16_tile(k01, k23)
+    T2 = _bf16_tile(u01, u23)
+    sk = tl.dot(qk, tl.trans(K))
+    sr = tl.dot(qa1, tl.trans(T2)) + tl.dot(qa2, tl.trans(T2), tl.dot(qa3, tl.trans(T2)))
+    smu = _sqrt_rn(tl.maximum(tl.load(mu_b + t).to(tl.float32), 0.0))
+    qat = tl.load(qat_b + tl.arange(0, 16))
+    return sk + smu[None, :] * (sr - qat[:, None])
+
+
+@triton.jit
 def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, qat_ptr, mask_ptr, tab_ptr, out_ptr,
                   count, t_start, t_end, n_tok, D: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
-                  LAYOUT: tl.constexpr, SPT: tl.constexpr):
-    """Scores (16, n_tok), rows 4m .. 4m + 3 for member m < count (-inf for the others), tokens t_start .. t_end."""
-    QW: tl.constexpr = 8 if LAYOUT == 1 or LAYOUT >= 3 else 4
-    LUTN: tl.constexpr = 32 * 81 * 4 if LAYOUT == 2 else 32 * 16 * 4
+                  LAYOUT: tl.constexpr, SPT: tl.constexpr, R: tl.constexpr = 4):
+    """Scores (16, n_tok), rows ``R·m … R·m + R − 1`` for member m < count (-inf for the others), tokens t_start ..
+    t_end; ``R``: a member's query rows (4, or 8 for W, M, T and P)."""
+    QW: tl.constexpr = 2 * R if LAYOUT == 1 or LAYOUT >= 3 else R
+    LUTN: tl.constexpr = 32 * 81 * 4 if LAYOUT == 2 else 32 * 16 * R
     r16 = tl.arange(0, 16)
-    if LAYOUT == 5:  # T: the (16, D) query tiles, member m's 4 rows at 4m … (bfloat16 q, q ∘ a's three terms)
+    if LAYOUT >= 5:  # T, P, Q: the (16, D) query tiles, member m's 4 rows at 4m … (bfloat16 q, q ∘ a's three terms)
         at = r16[:, None] * D + tl.arange(0, D)[None, :]
         qk = tl.load(q_ptr + at).to(tl.bfloat16)
         qa1 = tl.load(q_ptr + 16 * D + at).to(tl.bfloat16)
@@ -273,15 +365,18 @@ def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, 
         for m in range(0, count):
             if LAYOUT == 5:  # (its rows: the member's among the 16 the tiles give)
                 sm16 = _member_t(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, qat_ptr, t0, D, T)
+            elif LAYOUT >= 6:  # (Q: P on today's bytes)
+                sm16 = _member_p(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, lut_ptr, tab_ptr, qat_ptr, t0, D, T,
+                                 LAYOUT == 7)
             else:
                 if LAYOUT == 3 or LAYOUT == 4:  # (M: W's walk, signs in channel positions)
                     sm = tl.trans(_member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_ptr, t0, D, T, SPT,
-                                            LAYOUT == 4))
+                                            LAYOUT == 4, R))
                 else:
                     sm = tl.trans(_member(q_b, idx_b, kept_b, mu_b, sgn_b, code_b, lut_b, qat_b, t0, D, T, LAYOUT,
                                           SPT))
-                sm16 = tl.reshape(tl.broadcast_to(sm[None, :, :], (4, 4, BLOCK)), (16, BLOCK))
-            s = tl.where((r16 // 4 == m)[:, None] & live[None, :], sm16, s)
+                sm16 = tl.reshape(tl.broadcast_to(sm[None, :, :], (16 // R, R, BLOCK)), (16, BLOCK))
+            s = tl.where((r16 // R == m)[:, None] & live[None, :], sm16, s)
             q_b += (D + 1) * QW
             idx_b += n_tok * T
             kept_b += n_tok * T
@@ -290,17 +385,17 @@ def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, 
             mask_b += n_tok * 4
             code_b += n_tok * 32
             lut_b += LUTN
-            qat_b += 4
+            qat_b += R
         tl.store(out_ptr + r16[:, None] * n_tok + t[None, :], s, mask=live[None, :])
 
 
-def stores(n_tok: int, count: int, seed: int = 0) -> dict:
+def stores(n_tok: int, count: int, seed: int = 0, rows: int = 4) -> dict:
     """Random members in every layout's storage (each padded by PAD zeros), the per-step tables, and the float64
     reference scores (16, n_tok): ``ref`` (kept + recovered), ``ref_kept`` (A's)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(count, 4, D, generator=g) * 0.3).bfloat16().float()  # (bfloat16 queries, as T's dot takes them)
+    q = (torch.randn(count, rows, D, generator=g) * 0.3).bfloat16().float()  # (bfloat16 queries, as T's dot takes them)
     qa = q * (torch.rand(count, 1, D, generator=g) + 0.5)
     order = torch.stack([torch.randperm(D, generator=g)[:T] for _ in range(count * n_tok)]).view(count, n_tok, T)
     g2 = torch.Generator().manual_seed(seed + 1)  # masks with empty words: 26 kept in one word or in 30 in a row
@@ -314,9 +409,9 @@ def stores(n_tok: int, count: int, seed: int = 0) -> dict:
     ref_kept = torch.full((16, n_tok), float("-inf"), dtype=torch.float64)
     ref = ref_kept.clone()
     for m in range(count):
-        kept = (q[m].double()[:, order[m]] * kvals[m].double()).sum(-1)      # (4, n_tok)
-        ref_kept[4 * m:4 * m + 4] = kept
-        ref[4 * m:4 * m + 4] = kept + mu[m].double().sqrt() * (sign[m].double() @ qa[m].double().T).T
+        kept = (q[m].double()[:, order[m]] * kvals[m].double()).sum(-1)      # (rows, n_tok)
+        ref_kept[rows * m:rows * m + rows] = kept
+        ref[rows * m:rows * m + rows] = kept + mu[m].double().sqrt() * (sign[m].double() @ qa[m].double().T).T
 
     def padded(x):
         return torch.cat([x.flatten(), torch.zeros(PAD, dtype=x.dtype)])
@@ -333,20 +428,20 @@ def stores(n_tok: int, count: int, seed: int = 0) -> dict:
     sbits[:, SIGN_OFF.value:SIGN_OFF.value + n_tok * (D - T)] = (sign[~kept_mask] > 0).long().view(count, -1)
     tab = torch.frombuffer(bytearray(walk_table()), dtype=torch.uint8)  # (the real kernel's constant table)
 
-    def rows16(x):  # (count, 4, n) → (16, n): member m's rows at 4m …, zero past the members
-        return torch.cat([x.reshape(count * 4, -1), torch.zeros(16 - count * 4, x.shape[-1])])
+    def rows16(x):  # (count, rows, n) → (16, n): member m's rows at rows·m …, zero past the members
+        return torch.cat([x.reshape(count * rows, -1), torch.zeros(16 - count * rows, x.shape[-1])])
 
     def split3(x):  # float32 → three bfloat16-exact terms (as float32) summing to it
         a1 = x.bfloat16().float()
         a2 = (x - a1).bfloat16().float()
         return a1, a2, (x - a1 - a2).bfloat16().float()
 
-    def table(rows):  # (count, D + 1, 4): channel c's 4 query rows, row D zero (B's masked padding slots)
-        return torch.cat([rows.transpose(1, 2), torch.zeros(count, 1, 4)], 1)
+    def table(x):  # (count, D + 1, rows): channel c's query rows, row D zero (B's masked padding slots)
+        return torch.cat([x.transpose(1, 2), torch.zeros(count, 1, rows)], 1)
 
     bits = ((sign > 0).long().view(count, n_tok, 4, 32) << torch.arange(32)).sum(-1)
     digits = torch.where(sign == 0, 0, torch.where(sign > 0, 1, 2)).view(count, n_tok, 32, 4)
-    groups = qa.view(count, 4, 32, 4)                                         # (m, r, G, i): channel 4G + i
+    groups = qa.view(count, rows, 32, 4)                                      # (m, r, G, i): channel 4G + i
     nibble = ((torch.arange(16)[:, None] >> torch.arange(4)) & 1).float()    # (16 entries, 4 bits)
     e = torch.arange(81)[:, None] // 3 ** torch.arange(4) % 3                 # (81 codes, 4 digits)
     trit = torch.where(e == 1, 1.0, torch.where(e == 2, -1.0, 0.0))
@@ -359,15 +454,39 @@ def stores(n_tok: int, count: int, seed: int = 0) -> dict:
                 qat=padded(qa.sum(-1)), mask=padded(u32(kept_mask.view(count, n_tok, 4, 32))),
                 kept_W=padded(kvals.gather(2, order.argsort(-1))), sgn_W=padded(u32(sbits.view(count, -1, 32))),
                 tab=padded(tab), ref=ref, ref_kept=ref_kept, q_T=padded(torch.cat([rows16(q), *split3(rows16(qa))])),
-                qat_T=padded(rows16(qa.sum(-1, keepdim=True))))
+                qat_T=padded(rows16(qa.sum(-1, keepdim=True))), ptab=padded(permute_table()))
 
 
-def _arguments(layout: str, x: dict, n_tok: int, count: int, out):
-    lut, w = x["lut_C" if layout == "C" else "lut_B"], "_W" if layout == "W" else ""
-    q = x["q_T"] if layout == "T" else x["q8" if layout in "BWM" else "q4"]
-    args = (q, x["idx"], x["kept" + ("_W" if layout in "MT" else w)], x["mu"], x["sgn" + w], x["code"], lut,
-            x["qat_T" if layout == "T" else "qat"], x["mask"], x["tab"], out, count, 0, n_tok, n_tok)
-    return args, dict(D=D, T=T, BLOCK=BLOCK, LAYOUT=LAYOUTS[layout], SPT=SPT)
+def permute_table():
+    """P's tables (uint32): per mask nibble (16 × 4) the two ``PRMT`` selectors placing its kept values (slot ``j``
+    ← bytes ``2s, 2s + 1`` of the four loaded, ``s`` = the kept channels below ``j``) and their zero masks; per (mask
+    nibble, sign nibble) (256 × 2) the 0 / 1 / 2 tile's four bfloat16 entries (kept 1.0, pruned + 2.0, pruned − 0), in
+    pairs."""
+    import torch
+
+    rows = []
+    for nib in range(16):
+        sel, zm = [0, 0], [0, 0]
+        for j in range(4):
+            if nib >> j & 1:
+                src = bin(nib & ((1 << j) - 1)).count("1")
+                sel[j // 2] |= (2 * src | (2 * src + 1) << 4) << (8 * (j % 2))
+                zm[j // 2] |= 0xFFFF << (16 * (j % 2))
+        rows += [*sel, *zm]
+    for code in range(256):
+        nib, pos = code & 15, code >> 4
+        v = [0x3F80 if nib >> j & 1 else 0x4000 if pos >> j & 1 else 0 for j in range(4)]
+        rows += [v[0] | v[1] << 16, v[2] | v[3] << 16]
+    return torch.tensor([r - (1 << 32) if r >= 1 << 31 else r for r in rows], dtype=torch.int32).view(torch.uint32)
+
+
+def _arguments(layout: str, x: dict, n_tok: int, count: int, out, rows: int = 4):
+    lut, w = x["lut_C" if layout == "C" else "lut_B"], "_W" if layout in "WQ" else ""
+    q = x["q_T"] if layout in "TPQ" else x["q8" if layout in "BWM" else "q4"]
+    lut = x["ptab"] if layout in "PQ" else lut
+    args = (q, x["idx"], x["kept" + ("_W" if layout in "MTP" else w)], x["mu"], x["sgn" + w], x["code"], lut,
+            x["qat_T" if layout in "TPQ" else "qat"], x["mask"], x["tab"], out, count, 0, n_tok, n_tok)
+    return args, dict(D=D, T=T, BLOCK=BLOCK, LAYOUT=LAYOUTS[layout], SPT=SPT, R=rows)
 
 
 def _child(args: list[str], interpret: bool):
@@ -379,17 +498,17 @@ def _child(args: list[str], interpret: bool):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def check(layouts=tuple(LAYOUTS), n_tok: int = CHECK["n_tok"], count: int = CHECK["count"]) -> dict:
+def check(layouts=tuple(LAYOUTS), n_tok: int = CHECK["n_tok"], count: int = CHECK["count"], rows: int = 4) -> dict:
     """Each layout's scores under Triton's interpreter vs the float64 reference: {layout: (max abs error, max |score|)}
     (run in a child process with ``TRITON_INTERPRET=1`` unless this one has it)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
-        return _child(["check", ",".join(layouts), str(n_tok), str(count)], interpret=True)
+        return _child(["check", ",".join(layouts), str(n_tok), str(count), str(rows)], interpret=True)
     import torch
 
-    x, result = stores(n_tok, count), {}
+    x, result = stores(n_tok, count, rows=rows), {}
     for layout in layouts:
         out = torch.zeros(16, n_tok)
-        args, kwargs = _arguments(layout, x, n_tok, count, out)
+        args, kwargs = _arguments(layout, x, n_tok, count, out, rows)
         member_kernel[(1,)](*args, **kwargs)
         ref = x["ref_kept" if layout == "A" else "ref"]
         live = torch.isfinite(ref)
@@ -413,19 +532,19 @@ def token_and_member(sass: str, trips: int = 0):
     return len(token.own(instructions)) - skipped, len(member.own(instructions)) + trips * nested
 
 
-def measure(layout: str, arch: int = 90) -> dict:
+def measure(layout: str, arch: int = 90, rows: int = 4) -> dict:
     """Compile ``layout``'s kernel for ``sm_<arch>`` (4 warps, one stage) as Triton's launcher binds it; registers,
     spill bytes, token- and member-loop instructions (in a child process without the interpreter if this one runs
     it)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return _child(["measure", layout, str(arch)], interpret=False)
+        return _child(["measure", layout, str(arch), str(rows)], interpret=False)
     import torch
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    n_tok, count = 64, 3
-    args, kwargs = _arguments(layout, stores(n_tok, count), n_tok, count, torch.zeros(16, n_tok))
+    n_tok, count = 64, 3 if rows == 4 else 2  # (count 1 would be specialised: no member loop)
+    args, kwargs = _arguments(layout, stores(n_tok, count, rows=rows), n_tok, count, torch.zeros(16, n_tok), rows)
     kwargs.update(num_warps=WARPS, num_stages=1, maxnreg=255)
     backend = make_backend(_target(arch))
     binder = create_function_from_signature(member_kernel.signature, member_kernel.params, backend)
@@ -451,19 +570,33 @@ def instr_per_byte(token: int, member: int, key_bytes: float, members: int, warp
     return round((token + members * member) * warps / (block * (VALUE_BYTES + members * key_bytes)), 4)
 
 
-def main(out: str = "results/bench/member_layouts.json") -> None:
-    real = compile_launch(Launch("partials", 128, 4, kinds=SIGNED), 90, sass=True)
+WIDE = ("W", "M", "T", "P", "Q")  # the layouts written for 8 query rows a member too (GQA 8)
+
+
+def variants(group: int) -> tuple:
+    """The real kernel's signed launch at ``group`` query rows a member (its registers, token loop, signed member
+    loop) and every layout's member loop at as many rows (GQA 8: :data:`WIDE`), each with its estimate and check."""
+    real = compile_launch(Launch("partials", 128, group, kinds=SIGNED), 90, sass=True)
     token, signed = token_and_member(real.sass, -(-(-(-T // 4)) // SLOTS.value))  # (T kept: ⌈T/4⌉ ranks a lane)
     warps, block = real.num_warps, real.constants["BLOCK_"]
+    names = tuple(LAYOUTS) if group == 4 else WIDE
     rows = {"today": dict(registers=real.registers, spill_bytes=real.spill_bytes, member_instructions=signed)}
-    rows.update({layout: {k: v for k, v in measure(layout).items() if k != "token_loop_instructions"}
-                 for layout in LAYOUTS})
-    errors = check()
+    rows.update({layout: {k: v for k, v in measure(layout, 90, group).items() if k != "token_loop_instructions"}
+                 for layout in names})
+    errors = check(names, count=CHECK["count"] if group == 4 else 2, rows=group)
+    members = (("one_row", 1), ("four_members", 4) if group == 4 else ("two_members", 2))
     for name, row in rows.items():
         row["key_bytes_per_token"] = KEY_BYTES[name]
         row["instr_per_byte"] = {label: instr_per_byte(token, row["member_instructions"], KEY_BYTES[name], n, warps,
-                                                       block) for label, n in (("one_row", 1), ("four_members", 4))}
+                                                       block) for label, n in members}
         row["max_abs_err"], row["max_abs_score"] = errors.get(name, (None, None))
+    return real, token, rows
+
+
+def main(out: str = "results/bench/member_layouts.json") -> None:
+    real, token, rows = variants(4)
+    real8, token8, rows8 = variants(8)
+    warps, block = real.num_warps, real.constants["BLOCK_"]
     git = ["git", "-C", str(Path(__file__).resolve().parents[2])]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run([*git, "status", "--porcelain", "spark_bench/storage"], capture_output=True,
@@ -473,24 +606,31 @@ def main(out: str = "results/bench/member_layouts.json") -> None:
                                             block=block, registers=real.registers, token_loop_instructions=token),
                   value_bytes_per_token=VALUE_BYTES, budget=BUDGET, check=dict(head_dim=D, kept=T, **CHECK),
                   formula="(token_loop + n * member) * warps / (block * (value_bytes + n * key_bytes)), n = 1, 4",
-                  variants=rows)
+                  variants=rows,
+                  gqa8=dict(real_kernel=dict(launch="partials, head_dim 128, group 8, bf16, q_len 1, KINDS 16",
+                                             warps=real8.num_warps, registers=real8.registers,
+                                             token_loop_instructions=token8),
+                            note="8 query rows a member (the check: 2 members); n = 1, 2", variants=rows8))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(f"sm_90, token loop {token} instructions/warp, {warps} warps × {block} tokens; budget {BUDGET} instr/B")
-    print(f"{'layout':7}{'regs':>5}{'spill':>6}{'member':>8}{'key B':>7}{'1 row':>8}{'4 memb':>8}{'max err':>10}")
-    for name, row in rows.items():
-        err = "-" if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
-        print(f"{name:7}{row['registers']:>5}{row['spill_bytes']:>6}{row['member_instructions']:>8}"
-              f"{row['key_bytes_per_token']:>7.2f}{row['instr_per_byte']['one_row']:>8.3f}"
-              f"{row['instr_per_byte']['four_members']:>8.3f}{err:>10}")
+    for group, tok, table in ((4, token, rows), (8, token8, rows8)):
+        many = "4 memb" if group == 4 else "2 memb"
+        print(f"sm_90, GQA {group}: token loop {tok} instructions/warp, {warps} warps × {block} tokens; budget "
+              f"{BUDGET} instr/B")
+        print(f"{'layout':7}{'regs':>5}{'spill':>6}{'member':>8}{'key B':>7}{'1 row':>8}{many:>8}{'max err':>10}")
+        for name, row in table.items():
+            err = "-" if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
+            print(f"{name:7}{row['registers']:>5}{row['spill_bytes']:>6}{row['member_instructions']:>8}"
+                  f"{row['key_bytes_per_token']:>7.2f}"
+                  + "".join(f"{v:>8.3f}" for v in row["instr_per_byte"].values()) + f"{err:>10}")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:  # check / measure in a child process: one JSON line
         what, *rest = sys.argv[2:]
         if what == "check":
-            print(json.dumps(check(tuple(rest[0].split(",")), int(rest[1]), int(rest[2]))))
+            print(json.dumps(check(tuple(rest[0].split(",")), int(rest[1]), int(rest[2]), int(rest[3]))))
         else:
-            print(json.dumps(measure(rest[0], int(rest[1]))))
+            print(json.dumps(measure(rest[0], int(rest[1]), int(rest[2]))))
     else:
         main(*sys.argv[1:])

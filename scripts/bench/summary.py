@@ -116,17 +116,22 @@ def instructions_section(d: dict | None, compiled: list | None = None) -> list[s
                     f"{p['fraction_of_bound']:.0%} ({p['limited_by']}) | {row['layer_fraction_of_bound']:.0%} |")
     layouts = load("member_layouts")
     if layouts:
-        lines += ["", "SparK's member loop under other key layouts (`scripts/bench/member_layouts.py`, sm_90, one "
-                  "standalone kernel per layout, checked against float64 under the interpreter), charged the real "
-                  f"token loop ({layouts['real_kernel']['token_loop_instructions']} instructions per warp per block "
-                  f"at {layouts['real_kernel']['source']}):", "",
-                  "| layout | registers / spills | member loop instr/warp/block | key B/token | instr/B, one row | "
-                  "instr/B, four members | max abs error |", "|---|---|---|---|---|---|---|"]
-        for name, v in layouts["variants"].items():
-            err = "–" if v["max_abs_err"] is None else f"{v['max_abs_err']:.1e}"
-            lines.append(f"| {name} | {v['registers']} / {v['spill_bytes']} | {v['member_instructions']} | "
-                         f"{v['key_bytes_per_token']:g} | {v['instr_per_byte']['one_row']:.3f} | "
-                         f"{v['instr_per_byte']['four_members']:.3f} | {err} |")
+        wide = layouts.get("gqa8")
+        sections = [(4, layouts["real_kernel"], layouts["variants"], "four members")]
+        if wide:
+            sections.append((8, wide["real_kernel"], wide["variants"], "two members"))
+        for group, real, variants, many in sections:
+            lines += ["", f"SparK's member loop under other key layouts at GQA {group} (`scripts/bench/member_layouts.py`, "
+                      "sm_90, one standalone kernel per layout, checked against float64 under the interpreter), "
+                      f"charged the real token loop ({real['token_loop_instructions']} instructions per warp per block"
+                      + (f" at {real['source']}" if "source" in real else "") + "):", "",
+                      "| layout | registers / spills | member loop instr/warp/block | key B/token | instr/B, one row | "
+                      f"instr/B, {many} | max abs error |", "|---|---|---|---|---|---|---|"]
+            for name, v in variants.items():
+                err = "–" if v["max_abs_err"] is None else f"{v['max_abs_err']:.1e}"
+                one, several = v["instr_per_byte"].values()
+                lines.append(f"| {name} | {v['registers']} / {v['spill_bytes']} | {v['member_instructions']} | "
+                             f"{v['key_bytes_per_token']:g} | {one:.3f} | {several:.3f} | {err} |")
     if compiled:
         spilled = [r for r in compiled if r["spill_bytes"]]
         lines += ["", f"- `scripts/bench/compile.py`: {len(compiled)} launched specialisations (D 64/128, bf16/fp32, "
