@@ -12,7 +12,7 @@ import triton.language as tl
 
 from spark_bench.storage.segments import GRANULE as GRANULE_COLS
 from spark_bench.storage.segments import HEAD_COLS, SEG_COLS
-from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _popc, _sqrt_rn
+from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _popc, _rows_dot, _sqrt_rn
 
 SEG: tl.constexpr = tl.constexpr(SEG_COLS)  # (the tables' row widths)
 HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)
@@ -169,7 +169,7 @@ def _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, 
         if RECOVER:
             init = scale[None, :] * _dot3(qa1, qa2, qa3, tl.trans(sign), init)
         if ONE:
-            sm = init + tl.dot(qd, tl.trans(k), tl.zeros((q.shape[0], BLOCK_T), tl.float32)) * q_scale
+            sm = init + _rows_dot(qd, qd, qd, k, q_scale, ELEM, ONE)
         else:
             sm = _dot3(q1, q2, q3, tl.trans(k), init)
     elif not RECOVER:

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from spark_bench.storage.segments import ALL_KINDS, HEAD_COLS, KINDS, SEG_COLS, WORK_COLS
 from spark_bench.storage.triton_compact import _keys, _member_scores
-from spark_bench.storage.triton_math import DOT_PRECISION, _dot3, _online, _prefetch, _split3
+from spark_bench.storage.triton_math import _online, _prefetch, _rows_dot, _split3
 from spark_bench.storage.triton_merge import _merge_kernel
 from spark_bench.storage.triton_versions import PARTIAL_WARPS, PREFETCH
 from spark_bench.storage.triton_walk import _walk_scores, _walk_tables
@@ -86,20 +86,6 @@ def max_registers(kinds: int, warps: int, step: bool, ragged: bool, vsparse: boo
     4-warp launch without recovering members, ragged or value-sparse stores, else :data:`MAX_REGISTERS`."""
     lean = warps == 4 and step and not kinds & RECOVERING and not ragged and not vsparse
     return LEAN_REGISTERS if lean else MAX_REGISTERS
-
-
-@triton.jit
-def _rows_dot(a1, a2, a3, k, scale, ELEM: tl.constexpr, ONE: tl.constexpr):
-    """``a · kᵀ`` in float32 for keys ``k (n, channels)`` in their rows: bfloat16 keys on the tensor cores against
-    ``a``'s three bfloat16 terms (:func:`_dot3`, float32 products) — or, with ``ONE``, against ``a₁`` alone, the
-    unscaled bfloat16 queries themselves (exact in one term), the logits scaled after (one dot, not three) —,
-    float32 keys by an FMA dot against ``a₁``."""
-    if ELEM == tl.bfloat16:
-        if ONE:
-            return tl.dot(a1, tl.trans(k), tl.zeros((a1.shape[0], k.shape[0]), tl.float32)) * scale
-        return _dot3(a1, a2, a3, tl.trans(k), tl.zeros((a1.shape[0], k.shape[0]), tl.float32))
-    else:
-        return tl.dot(a1, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
 
 
 @triton.jit

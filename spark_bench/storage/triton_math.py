@@ -168,6 +168,20 @@ def _split_dot(a, b, acc):
 
 
 @triton.jit
+def _rows_dot(a1, a2, a3, k, scale, ELEM: tl.constexpr, ONE: tl.constexpr):
+    """``a · kᵀ`` in float32 for keys ``k (n, channels)`` in their rows: bfloat16 keys on the tensor cores against
+    ``a``'s three bfloat16 terms (:func:`_dot3`, float32 products) — or, with ``ONE``, against ``a₁`` alone, the
+    unscaled bfloat16 queries themselves (exact in one term), the logits scaled after (one dot, not three) —,
+    float32 keys by an FMA dot against ``a₁``."""
+    if ELEM == tl.bfloat16:
+        if ONE:
+            return tl.dot(a1, tl.trans(k), tl.zeros((a1.shape[0], k.shape[0]), tl.float32)) * scale
+        return _dot3(a1, a2, a3, tl.trans(k), tl.zeros((a1.shape[0], k.shape[0]), tl.float32))
+    else:
+        return tl.dot(a1, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _prefetch(ptr, nbytes, LINES: tl.constexpr):
     """Ask L2 for the ``nbytes`` (< (``LINES`` − 1) × 128) from ``ptr`` (any element type), one 128-byte line per
     ``prefetch.global.L2`` from the line holding the first byte (nothing returned, nothing waited for: a later load
