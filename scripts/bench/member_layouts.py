@@ -51,8 +51,8 @@ with empty words (all 26 kept in one word, or in 30 consecutive channels).
   nibble's first kept rank, its four kept values from there are loaded and placed at its kept channels by two byte
   permutes (``PRMT``, inline PTX; an interpreter twin) whose selectors and zero masks come from a 16-entry table, and
   the 0 / 1 / 2 tile's four entries from a 256-entry table (:func:`permute_table`);
-* Q: P on today's bytes (82.75 B): a nibble's positive channels expanded from the pruned-order sign bits as W
-  expands them (its word's signs as one 32-bit window, the walk's (pruned nibble, next 4 signs) table).
+* Q: P on today's bytes (82.75 B): a word's pruned-order sign bits read as one 32-bit window as W reads them, a
+  nibble's next 4 signs and its mask nibble indexing a 256-entry table of its 0 / 1 / 2 entries.
 
 **GQA 8.** W, M, T, P and Q are also written for 8 query rows a member (``R``; the real kernel's signed launch at
 ``group`` 8): the walks' FMAs and gathers grow with the rows, a tile's dot covers 16 rows whatever a member holds.
@@ -287,16 +287,15 @@ def _bf16_tile(lo, hi):
 
 
 @triton.jit
-def _member_p(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, ptab, tab_b, qat_b, t0, D: tl.constexpr,
-              T: tl.constexpr, WINDOW: tl.constexpr):
+def _member_p(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, ptab, qat_b, t0, D: tl.constexpr, T: tl.constexpr,
+              WINDOW: tl.constexpr):
     """P's scores (16 rows, 32 tokens): T's tiles built a nibble at a time. Per (token, mask word, nibble): the
     nibble's first kept rank (the word's kept channels before it: one popcount), its four kept values from there
     loaded and paired, and placed at the nibble's kept channels by two byte permutes (``PRMT``) whose selectors and
     zero masks come from a 16-entry table by the mask nibble; the 0 / 1 / 2 tile's four entries from a 256-entry table
-    by (mask nibble, sign nibble). Dots as T's. ``WINDOW`` (Q: today's bytes, signs in pruned order): a nibble's
-    sign nibble is its positive channels, expanded as W expands them — its word's pruned signs read as one 32-bit
-    window (two words), shifted past the nibbles before it, the (pruned nibble, next 4 signs) → positive nibble table
-    (the walk's constant table)."""
+    by (mask nibble, sign nibble). Dots as T's. ``WINDOW`` (Q: today's bytes, signs in pruned order): its word's pruned
+    signs are read as one 32-bit window (two words), as W reads them; a nibble's are the next 4 past the pruned
+    channels before it, and they index Q's own 256-entry table with the mask nibble (no positive-nibble expansion)."""
     t = t0 + tl.arange(0, 32)
     wi = tl.arange(0, 4)
     x = tl.load(mask_b + t[:, None] * 4 + wi[None, :])                      # (32, 4) mask words
@@ -324,12 +323,10 @@ def _member_p(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, ptab, tab_b, qat_b
     s1, z1 = tl.split(second)
     k01 = _prmt(a01, a23, s0) & z0
     k23 = _prmt(a01, a23, s1) & z1
-    if WINDOW:  # (the pruned channels before nibble g: 4g − the kept ones)
-        signs = (window[:, :, None] >> (g4 - below)) & 15
-        plus = tl.load(tab_b + 2112 + ((~nib & 15) * 16 + signs)).to(tl.uint32)
+    if WINDOW:  # (the pruned channels before nibble g: 4g − the kept ones; their next 4 signs index Q's table)
+        two = ptab + 576 + (nib | (((window[:, :, None] >> (g4 - below)) & 15) << 4)) * 2
     else:
-        plus = (pos[:, :, None] >> g4) & 15
-    two = ptab + 64 + (nib | (plus << 4)) * 2
+        two = ptab + 64 + (nib | (((pos[:, :, None] >> g4) & 15) << 4)) * 2
     u01, u23 = tl.split(tl.load(two[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]))
     K = _bf16_tile(k01, k23)
     T2 = _bf16_tile(u01, u23)
@@ -366,7 +363,7 @@ def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, 
             if LAYOUT == 5:  # (its rows: the member's among the 16 the tiles give)
                 sm16 = _member_t(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, qat_ptr, t0, D, T)
             elif LAYOUT >= 6:  # (Q: P on today's bytes)
-                sm16 = _member_p(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, lut_ptr, tab_ptr, qat_ptr, t0, D, T,
+                sm16 = _member_p(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, lut_ptr, qat_ptr, t0, D, T,
                                  LAYOUT == 7)
             else:
                 if LAYOUT == 3 or LAYOUT == 4:  # (M: W's walk, signs in channel positions)
@@ -458,10 +455,11 @@ def stores(n_tok: int, count: int, seed: int = 0, rows: int = 4) -> dict:
 
 
 def permute_table():
-    """P's tables (uint32): per mask nibble (16 × 4) the two ``PRMT`` selectors placing its kept values (slot ``j``
-    ← bytes ``2s, 2s + 1`` of the four loaded, ``s`` = the kept channels below ``j``) and their zero masks; per (mask
-    nibble, sign nibble) (256 × 2) the 0 / 1 / 2 tile's four bfloat16 entries (kept 1.0, pruned + 2.0, pruned − 0), in
-    pairs."""
+    """P's and Q's tables (uint32): per mask nibble (16 × 4) the two ``PRMT`` selectors placing its kept values (slot
+    ``j`` ← bytes ``2s, 2s + 1`` of the four loaded, ``s`` = the kept channels below ``j``) and their zero masks; per
+    (mask nibble, sign nibble) (256 × 2) the 0 / 1 / 2 tile's four bfloat16 entries (kept 1.0, pruned + 2.0, pruned −
+    0), in pairs — P's sign nibble in channel positions, then Q's (256 × 2, from entry 576): the next 4 signs of the
+    nibble's pruned channels in pruned order, so no expansion step."""
     import torch
 
     rows = []
@@ -476,6 +474,11 @@ def permute_table():
     for code in range(256):
         nib, pos = code & 15, code >> 4
         v = [0x3F80 if nib >> j & 1 else 0x4000 if pos >> j & 1 else 0 for j in range(4)]
+        rows += [v[0] | v[1] << 16, v[2] | v[3] << 16]
+    for code in range(256):  # Q: by (mask nibble, the next 4 signs of its pruned channels, in pruned order)
+        nib, signs = code & 15, code >> 4
+        v = [0x3F80 if nib >> j & 1 else 0x4000 if signs >> (j - bin(nib & ((1 << j) - 1)).count("1")) & 1 else 0
+             for j in range(4)]
         rows += [v[0] | v[1] << 16, v[2] | v[3] << 16]
     return torch.tensor([r - (1 << 32) if r >= 1 << 31 else r for r in rows], dtype=torch.int32).view(torch.uint32)
 
