@@ -233,6 +233,17 @@ def _member_w(q_b, kept_b, mu_b, mask_b, sgn_b, lut_b, qat_b, tab_b, t0, D: tl.c
 
 
 @triton.jit
+def _tile_logits(qk, qa1, qa2, qa3, K, T2, mu_b, qat_b, t):
+    """A tile layout's (16 rows, 32 tokens) logits from its key tile ``K`` and its 0 / 1 / 2 tile ``T2``:
+    ``qk · Kᵀ + √μ · ((q ∘ a) · T2ᵀ − Σ_c qa)`` (``q ∘ a`` in three bfloat16 terms)."""
+    sk = tl.dot(qk, tl.trans(K))
+    sr = tl.dot(qa1, tl.trans(T2)) + tl.dot(qa2, tl.trans(T2), tl.dot(qa3, tl.trans(T2)))
+    smu = _sqrt_rn(tl.maximum(tl.load(mu_b + t).to(tl.float32), 0.0))
+    qat = tl.load(qat_b + tl.arange(0, 16))
+    return sk + smu[None, :] * (sr - qat[:, None])
+
+
+@triton.jit
 def _member_t(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, qat_b, t0, D: tl.constexpr, T: tl.constexpr):
     """T's scores (16 rows, 32 tokens) of one member, M's bytes rebuilt as key tiles for the tensor cores: each entry
     of a (32 tokens, 128 channels) tile placed by the rank of its mask bit (a popcount per entry) and read from the
@@ -251,13 +262,7 @@ def _member_t(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, qat_b, t0, D: tl.c
     rank = before[:, :, None] + _popc(X & ((1 << j) - 1)).to(tl.uint32)
     kv = tl.load(kept_b + t[:, None, None] * T + rank, mask=bit != 0, other=0.0)
     two = (bit + 2 * ((pos[:, :, None] >> j) & 1)).to(tl.float32).to(tl.bfloat16)
-    K = tl.reshape(kv, (32, D))
-    T2 = tl.reshape(two, (32, D))
-    sk = tl.dot(qk, tl.trans(K))
-    sr = tl.dot(qa1, tl.trans(T2)) + tl.dot(qa2, tl.trans(T2), tl.dot(qa3, tl.trans(T2)))
-    smu = _sqrt_rn(tl.maximum(tl.load(mu_b + t).to(tl.float32), 0.0))
-    qat = tl.load(qat_b + tl.arange(0, 16))
-    return sk + smu[None, :] * (sr - qat[:, None])
+    return _tile_logits(qk, qa1, qa2, qa3, tl.reshape(kv, (32, D)), tl.reshape(two, (32, D)), mu_b, qat_b, t)
 
 
 @triton.jit
@@ -328,13 +333,7 @@ def _member_p(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, ptab, qat_b, t0, D
     else:
         two = ptab + 64 + (nib | (((pos[:, :, None] >> g4) & 15) << 4)) * 2
     u01, u23 = tl.split(tl.load(two[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]))
-    K = _bf16_tile(k01, k23)
-    T2 = _bf16_tile(u01, u23)
-    sk = tl.dot(qk, tl.trans(K))
-    sr = tl.dot(qa1, tl.trans(T2)) + tl.dot(qa2, tl.trans(T2), tl.dot(qa3, tl.trans(T2)))
-    smu = _sqrt_rn(tl.maximum(tl.load(mu_b + t).to(tl.float32), 0.0))
-    qat = tl.load(qat_b + tl.arange(0, 16))
-    return sk + smu[None, :] * (sr - qat[:, None])
+    return _tile_logits(qk, qa1, qa2, qa3, _bf16_tile(k01, k23), _bf16_tile(u01, u23), mu_b, qat_b, t)
 
 
 @triton.jit
@@ -342,7 +341,7 @@ def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, 
                   count, t_start, t_end, n_tok, D: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
                   LAYOUT: tl.constexpr, SPT: tl.constexpr, R: tl.constexpr = 4):
     """Scores (16, n_tok), rows ``R·m … R·m + R − 1`` for member m < count (-inf for the others), tokens t_start ..
-    t_end; ``R``: a member's query rows (4, or 8 for W, M, T and P)."""
+    t_end; ``R``: a member's query rows (4, or 8 for W, M, T, P and Q)."""
     QW: tl.constexpr = 2 * R if LAYOUT == 1 or LAYOUT >= 3 else R
     LUTN: tl.constexpr = 32 * 81 * 4 if LAYOUT == 2 else 32 * 16 * R
     r16 = tl.arange(0, 16)
