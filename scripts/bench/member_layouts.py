@@ -345,7 +345,7 @@ def member_kernel(q_ptr, idx_ptr, kept_ptr, mu_ptr, sgn_ptr, code_ptr, lut_ptr, 
     QW: tl.constexpr = 2 * R if LAYOUT == 1 or LAYOUT >= 3 else R
     LUTN: tl.constexpr = 32 * 81 * 4 if LAYOUT == 2 else 32 * 16 * R
     r16 = tl.arange(0, 16)
-    if LAYOUT >= 5:  # T, P, Q: the (16, D) query tiles, member m's 4 rows at 4m … (bfloat16 q, q ∘ a's three terms)
+    if LAYOUT >= 5:  # T, P, Q: the (16, D) query tiles, member m's R rows at R·m … (bfloat16 q, q ∘ a's 3 terms)
         at = r16[:, None] * D + tl.arange(0, D)[None, :]
         qk = tl.load(q_ptr + at).to(tl.bfloat16)
         qa1 = tl.load(q_ptr + 16 * D + at).to(tl.bfloat16)
