@@ -52,7 +52,7 @@ from spark_bench.methods import MethodConfig, Pipeline
 from spark_bench.methods.eviction.adasnapkv import AdaSnapKV
 from spark_bench.methods.eviction.snapkv import SnapKV
 from spark_bench.models import ModelConfig
-from spark_bench.storage.walk_layout import head_floats, walks
+from spark_bench.storage.walk_layout import PROGRAM_ROWS, head_floats, tiled, walks
 
 LOG = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ def step_work(arch: Arch, rows: int, prompt: int, capacity: int, itemsize: int, 
     bytes per query row per chunk of at least 512 tokens (:meth:`~spark_bench.storage.segments.FusedTables.chunk_of`),
     no score tensor, and at a decode step the signed walk's per-step tables, one per row and kv-head
     (:func:`~spark_bench.storage.walk_layout.head_floats`; counted whatever the rows' methods, where the walk serves
-    the head_dim). A suffix of ``suffix`` tokens multiplies the query rows, its chunks bounded by
+    the head_dim and the tiles do not serve the step, :func:`~spark_bench.storage.walk_layout.tiled`). A suffix of ``suffix`` tokens multiplies the query rows, its chunks bounded by
     :data:`STEP_WORK_BOUND`."""
     h, hq, d = arch.num_kv_heads, arch.num_heads, arch.head_dim
     q_rows = max(1, suffix)
@@ -299,8 +299,9 @@ def step_work(arch: Arch, rows: int, prompt: int, capacity: int, itemsize: int, 
     cpu += ada * h * prompt
     chunks = -(-prompt // max(512, min(1024, prompt // 8)))
     cuda = min(rows * hq * q_rows * chunks * (d + 2) * 4, max(STEP_WORK_BOUND, rows * hq * chunks * (d + 2) * 4))
-    if suffix <= 1 and walks(d):
-        cuda += rows * h * head_floats(d, min(1 << (hq // h - 1).bit_length(), 16)) * 4
+    rpm = min(1 << (hq // h - 1).bit_length(), PROGRAM_ROWS)  # (triton_decode.launch_shape)
+    if suffix <= 1 and walks(d) and not tiled(PROGRAM_ROWS // rpm, itemsize):
+        cuda += rows * h * head_floats(d, rpm) * 4
     return common + cpu, common + cuda
 
 

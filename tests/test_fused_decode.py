@@ -454,7 +454,7 @@ def test_a_decode_step_without_recovering_members_launches_lean():
     """The partials launch's register limit: 168 (3 CTAs of 4 warps per SM) for a bfloat16 decode step whose work
     items hold dense, structured or bare keys only, no ragged or value-sparse store; else 255 (every recovering,
     ragged or value-sparse launch, a suffix, the float32 kernel's 8 warps) — what the dispatch passes Triton; and
-    where it walks the official recovery's rows."""
+    where it walks the official recovery's rows, and where it builds them into tiles."""
     from spark_bench.storage import triton_decode as td
     from spark_bench.storage.gpu_compile import Launch, _arguments
 
@@ -468,10 +468,17 @@ def test_a_decode_step_without_recovering_members_launches_lean():
         assert td.max_registers(1 << KINDS.index(kind) | 1, 4, True, False, False) == td.MAX_REGISTERS == 255
     asked = {kinds: _arguments(Launch("partials", 128, 4, kinds=kinds))[2]["maxnreg"] for kinds in (6, 31)}
     assert asked == {6: 168, 31: 255} or td.PARTIAL_WARPS[2] != 4
-    # the signed walk at a decode step, except in a float32 launch holding a ragged store (its registers would spill)
-    walked = {(size, ragged): _arguments(Launch("partials", 128, 8, 1, size, ragged=ragged))[2]["WALK"]
-              for size in (2, 4) for ragged in (False, True)}
-    assert walked == {(2, False): True, (2, True): True, (4, False): True, (4, True): False}
+    # the signed walk at a decode step, except in a float32 launch holding a ragged store (its registers would
+    # spill); a bfloat16 step whose members hold 4 query rows or more (GQA 4, 8) builds tiles instead
+    # (storage/triton_tiles.py)
+    signed = {(group, size, ragged): (kw["WALK"], kw["TILE"]) for group in (2, 4, 8) for size in (2, 4)
+              for ragged in (False, True)
+              for kw in [_arguments(Launch("partials", 128, group, 1, size, ragged=ragged))[2]]}
+    walk, tile, neither = (True, False), (False, True), (False, False)
+    for group in (4, 8):
+        assert signed.pop((group, 2, False)) == signed.pop((group, 2, True)) == tile
+    assert signed == {(2, 2, False): walk, (2, 2, True): walk, (2, 4, False): walk, (2, 4, True): neither,
+                      (4, 4, False): walk, (4, 4, True): neither, (8, 4, False): walk, (8, 4, True): neither}
 
 
 def test_the_launch_shape_follows_the_triton_that_compiles_it():

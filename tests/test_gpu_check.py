@@ -33,7 +33,8 @@ def load_check():
 def test_cpu_smoke_runs_every_section(tmp_path):
     """The script as `make gpu-check` runs it, at tiny shapes on the CPU: exit 0, every section ok, the fused
     (CUDA) kernel serving every row and agreeing with the reference path, the ratios and the planner's peak there;
-    every member kind of the fused kernel, the signed walk included, at head_dim 32 and 128 (issue 52); the triton
+    every member kind of the fused kernel at head_dim 32 and 128, the signed rows in tiles (GQA 4) and walked (GQA 2)
+    (issue 52); the triton
     it runs under named, nothing disabled (issue 55)."""
     pytest.importorskip("triton")
     check = load_check()  # in this process (TRITON_INTERPRET=1, tests/conftest.py); ci_node.sh runs it as a process
@@ -57,9 +58,14 @@ def test_cpu_smoke_runs_every_section(tmp_path):
         memory = sections[f"{workload}.memory"]
         assert memory["predicted_bytes"] > 0 and memory["measured_bytes"] > 0
     assert sections["table1_mix.memory"]["rows"] == 10  # Table 1's methods at KV 128, ratio 0.5 (the smoke's mix)
-    for d in check.KIND_HEAD_DIMS:  # every member loop of the fused kernel, the signed walk at both ends of its words
-        kinds = sections["member_kinds"][f"head_dim_{d}"]
-        assert kinds["kinds"] == ["dense", "structured", "bare", "plain", "signed"] and kinds["walk"], kinds
+    # every member loop of the fused kernel; the signed rows in tiles (GQA 4) and walked (GQA 2) at both ends of the
+    # mask's words
+    assert [check.kind_key(d, g) for d, g in check.KIND_SHAPES] == ["head_dim_32", "head_dim_128",
+                                                                     "head_dim_32_gqa2", "head_dim_128_gqa2"]
+    assert check.SMOKE["num_attention_heads"] // check.SMOKE["num_key_value_heads"] == 4
+    for (d, group), path in zip(check.KIND_SHAPES, ("tiles", "tiles", "walk", "walk")):
+        kinds = sections["member_kinds"][check.kind_key(d, group)]
+        assert kinds["kinds"] == ["dense", "structured", "bare", "plain", "signed"] and kinds["signed"] == path, kinds
         assert kinds["fused_rows"] == len(check.KIND_ROWS) and kinds["error_vs_reference"] <= kinds["tolerance"]
     assert data["triton"]["disabled"] == [] and data["triton"]["version"]
     assert sections["table1_mix.tokens"]["tokens_equal_decode_batch_1"]

@@ -177,3 +177,26 @@ def test_a_prefetch_of_the_next_block_leaves_the_l2_latency_or_what_is_left():
     mean = sum(w.cycles for w in waits) / 2
     assert abs(mean - (DRAM - ahead_cycles)) <= 20 and min(w.cycles for w in waits) >= LAT.l2 - 20
     assert ahead_cycles < 0.65 * plain_cycles
+
+
+def test_a_gather_inside_the_prefetched_rows_is_credited_but_not_another_arrays_load():
+    """A load whose address is the prefetched array's (the same table entries) plus an offset computed from this
+    block's loaded data (a kept entry by its rank, a sign word by the kept channels before it:
+    ``storage/triton_tiles.py``) reads lines the prefetch asked for: credited as prefetched. A load whose address
+    also takes another table entry (another array's base) is not, whatever data it adds."""
+    work = [f"FFMA R{30 + i % 4}, R{30 + i % 4}, R{30 + i % 4}, R{30 + i % 4}" for i in range(200)]
+
+    def block(gather_base):
+        return ["LDG.E.64 R6, desc[UR4][R2.64]", "LDG.E.64 R16, desc[UR4][R2.64+0x8]",  # (two arrays' addresses)
+                "IMAD.WIDE.U32 R8, R20, 0x80, R6", "LDG.E R10, desc[UR4][R8.64]",  # a mask word
+                "IMAD.WIDE.U32 R12, R20, 0x80, R6", "IADD3 R12, P0, R12, 0x80, RZ", "CCTL.E.PF2 [R12]",
+                "POPC R11, R10", f"IMAD.WIDE.U32 R14, R20, 0x80, {gather_base}",  # its rank: an offset from data
+                "IMAD.WIDE R14, R11, 0x2, R14", "LDG.E.U16 R18, desc[UR4][R14.64]", "FADD R19, R18, R18", *work,
+                "IADD3 R20, R20, 0x1, RZ"]
+
+    run(block("R6"), repeats=6)
+    inside = [w for p in run.passes[-2:] for w in p.waits if w.cycles > 100]
+    run(block("R16"), repeats=6)
+    other = [w for p in run.passes[-2:] for w in p.waits if w.cycles > 100]
+    assert {w.source for w in inside} == {"prefetched"} and "U16" in inside[-1].on
+    assert [w.source for w in other if "U16" in w.on] == ["dram", "dram"]

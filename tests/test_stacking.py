@@ -2,6 +2,7 @@
 Triton kernels checked here under Triton's CPU interpreter), one value table their shared values, and a decode
 step's operation count does not grow with the number of stacked rows."""
 
+import dataclasses
 import importlib
 import os
 
@@ -316,14 +317,18 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
         assert err < 1e-5, (i, err)
 
 
-def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels):
-    """The official recovery's walk (:mod:`spark_bench.storage.triton_walk`, a decode step; the float64 test above
-    runs it at head_dim 32 to 128) where its masks are hardest: every kept channel in one mask word (the others
-    empty), in a run crossing a word boundary, T = 2 (lanes with no kept rank), T close to head_dim; rows of three
-    ratios and lengths in one launch (masked last blocks), bfloat16: equal to float64 attention within 1e-5
-    relative."""
+@pytest.mark.parametrize("group", [2, 8], ids=["walk", "tiles"])
+def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels, group):
+    """A decode step's official-recovery rows — walked at 2 query rows a member
+    (:mod:`spark_bench.storage.triton_walk`), built into tiles a nibble at a time from 4
+    (:mod:`spark_bench.storage.triton_tiles`; the float64 test above runs both at head_dim 32 to 128 with bfloat16
+    queries, these float32) — where the masks are hardest: every kept channel in one mask word (the others empty), in
+    a run crossing a word boundary, T = 2 (lanes with no kept rank), T close to head_dim; rows of three ratios and
+    lengths in one launch (masked last blocks), bfloat16: equal to float64 attention within 1e-5 relative. The tiles
+    equal the compact loop's key and sign tiles entry for entry, so their output is the compact loop's bit for bit
+    (the same launch without the constant table)."""
     g = torch.Generator().manual_seed(11)
-    head_dim, group = 128, 4
+    head_dim = 128
     n_words = head_dim // 32
     stores, values = [], []
     for i, ratio in enumerate((0.99, 0.9, 0.1)):
@@ -348,11 +353,21 @@ def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels):
     tables = FusedTables.build(keys_stack, value_stack, [None] * 2 * n, triton_kernels.launch_shape(group)[1], 32)
     assert tables.walk_tab is not None and tables.kinds == 1 << 4  # (signed members only: the walk serves them)
     new_k, new_v = tail_k[:, :, filled - 1:filled].clone(), tail_v[:, :, filled - 1:filled].clone()
-    out = dispatch.fused_attention(tables, keys_stack.aux_scale, tail_k, queries.reshape(2 * n, -1, head_dim), 1.0,
-                                   new_k.reshape(2 * n, 1, head_dim), new_v.reshape(2 * n, 1, head_dim),
-                                   tail_k.clone().reshape(2 * n, cap, head_dim),
-                                   tail_v.clone().reshape(2 * n, cap, head_dim),
-                                   torch.tensor([filled - 1]), 1, advance=1).view(n, 2, -1, head_dim)
+
+    def attend(tables):
+        return dispatch.fused_attention(tables, keys_stack.aux_scale, tail_k, queries.reshape(2 * n, -1, head_dim),
+                                        1.0, new_k.reshape(2 * n, 1, head_dim), new_v.reshape(2 * n, 1, head_dim),
+                                        tail_k.clone().reshape(2 * n, cap, head_dim),
+                                        tail_v.clone().reshape(2 * n, cap, head_dim), torch.tensor([filled - 1]), 1,
+                                        advance=1, out=torch.empty(2 * n, group, head_dim, device=queries.device)).view(
+            n, 2, -1, head_dim)
+
+    out = attend(tables)
+    kw = triton_kernels.launches(queries.reshape(2 * n, -1, head_dim), 1.0, keys_stack.aux_scale, tables, tail_k,
+                                 new_k, new_v, tail_k, tail_v, torch.tensor([0]), 1, 0, out, 1)[0][3]
+    assert (kw["WALK"], kw["TILE"]) == ((False, True) if group == 8 else (True, False))
+    if group == 8:  # the compact loop's logits, bit for bit
+        assert torch.equal(out, attend(dataclasses.replace(tables, walk_tab=None)))
     for i, (store, value) in enumerate(zip(stores, values)):
         ref = _float64_attention(store, value, queries[i:i + 1], tail_k[i:i + 1], tail_v[i:i + 1], filled, 1)
         err = ((out[i:i + 1].double() - ref).abs().max() / ref.abs().max()).item()

@@ -24,7 +24,9 @@ with empty words (all 26 kept in one word, or in 30 consecutive channels).
 **Layouts**, key bytes per token and member at D = 128 with T = 26 kept channels:
 
 * today: 52 B kept values (bf16) + 16 B channel mask + 2 B μ + 12.75 B signs (102 pruned channels × 1 bit) ≈ 83 B,
-  read by the real kernel's signed loop (a walk like W's: :mod:`spark_bench.storage.triton_walk`);
+  read by the real kernel's signed loop: at 4 and 8 rows a member, tiles like Q's
+  (:mod:`spark_bench.storage.triton_tiles`; until this round a walk like W's, :mod:`spark_bench.storage.triton_walk`,
+  which still serves 1 or 2 rows a member and float32 stores);
 * A: one index byte per kept channel (26 B) + the kept values (52 B), the member loop computing the kept part only —
   the floor of any layout storing the kept part this way; charged B's 96 B, since the signs must be stored somewhere;
 * B: A + 4 sign words (16 B, bit ``c`` set: channel ``c`` pruned and positive) + μ (2 B) = 96 B; the recovery is
@@ -86,7 +88,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from spark_bench.storage.gpu_compile import Launch, _target, _tool, compile_launch, guarded, parse_sass  # noqa: E402
 from spark_bench.storage.segments import KINDS  # noqa: E402
-from spark_bench.storage.triton_math import INTERPRET, _ffs, _popc  # noqa: E402
+from spark_bench.storage.triton_math import _ffs, _popc, _prmt  # noqa: E402
+from spark_bench.storage.triton_tiles import _pairs_to_tile  # noqa: E402
 from spark_bench.storage.triton_walk import SLOTS, _walk_start  # noqa: E402
 from spark_bench.storage.walk_layout import walk_table  # noqa: E402
 
@@ -266,32 +269,6 @@ def _member_t(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, qat_b, t0, D: tl.c
 
 
 @triton.jit
-def _prmt(a, b, sel):
-    """PTX ``prmt.b32`` (default mode; selector nibbles < 8): byte ``i`` of the result is byte ``(sel >> 4i) & 7`` of
-    ``{b, a}`` (0–3: ``a``'s, 4–7: ``b``'s) — one byte permute; under the interpreter the same by shifts."""
-    if INTERPRET:
-        out = tl.zeros_like(a)
-        for i in tl.static_range(4):
-            n = (sel >> (4 * i)) & 7
-            out = out | (((tl.where(n < 4, a, b) >> ((n & 3) * 8)) & 0xFF) << (8 * i))
-        return out
-    else:
-        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.uint32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
-def _bf16_tile(lo, hi):
-    """(32 tokens, 4 words, 8 nibbles) pairs of bfloat16 bit patterns (a nibble's channels 0, 1 in ``lo``, 2, 3 in
-    ``hi``) → the (32, 128) bfloat16 tile, channel ``32w + 4g + j``."""
-    c0 = (lo & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    c1 = (lo >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    c2 = (hi & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    c3 = (hi >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (32, 128))
-
-
-@triton.jit
 def _member_p(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, ptab, qat_b, t0, D: tl.constexpr, T: tl.constexpr,
               WINDOW: tl.constexpr):
     """P's scores (16 rows, 32 tokens): T's tiles built a nibble at a time. Per (token, mask word, nibble): the
@@ -333,7 +310,8 @@ def _member_p(qk, qa1, qa2, qa3, kept_b, mu_b, mask_b, sgn_b, ptab, qat_b, t0, D
     else:
         two = ptab + 64 + (nib | (((pos[:, :, None] >> g4) & 15) << 4)) * 2
     u01, u23 = tl.split(tl.load(two[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]))
-    return _tile_logits(qk, qa1, qa2, qa3, _bf16_tile(k01, k23), _bf16_tile(u01, u23), mu_b, qat_b, t)
+    return _tile_logits(qk, qa1, qa2, qa3, _pairs_to_tile(k01, k23, 32, D), _pairs_to_tile(u01, u23, 32, D), mu_b,
+                        qat_b, t)
 
 
 @triton.jit

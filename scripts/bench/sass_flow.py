@@ -248,6 +248,7 @@ class Warp:
         self.cells: dict[int, tuple] = {}       # shared memory: immediate offset → (provenance, feeds, cycle) stored
         self.texts: dict[int, str] = {}         # load id → its instruction
         self.prefetched: dict[frozenset, float] = {}  # a prefetch's address roots → when it was issued
+        self.classes: dict[str, str] = {}  # a load's instruction → its class (table, l2, dram, prefetched)
         self.groups: list = []   # committed LDGSTS groups: (completion cycle, class, instruction), oldest first
         self.open: list = []     # LDGSTS issued since the last commit
 
@@ -332,8 +333,16 @@ class Warp:
                     self.prefetched[roots] = issue
             elif cls == "dram" and self.prefetched:
                 # lines an earlier prefetch of the same array requested (e.g. the block before, for this one): in
-                # L2 once the DRAM latency has passed since, else after what is left of it
-                asked = self.prefetched.get(self.roots(op))
+                # L2 once the DRAM latency has passed since, else after what is left of it. The same array: its
+                # address from the same table entries — and, for a gather inside the block's rows (a kept entry
+                # by its rank, a sign word by the kept channels before it), also from this block's loaded data:
+                # the prefetch asked for every line of the next block's rows (the latest such prefetch)
+                roots = self.roots(op)
+                asked = self.prefetched.get(roots)
+                if asked is None:  # (the other roots: loads of the stores' data, none a table's entry)
+                    within = [t for r, t in self.prefetched.items()
+                              if r < roots and all(self.classes.get(x, "table") != "table" for x in roots - r)]
+                    asked = max(within) if within else None
                 if asked is not None:
                     lat = max(self.lat.l2, self.lat.dram - (issue - asked))
                     cls = "prefetched"
@@ -348,6 +357,7 @@ class Warp:
                 self.open = []
             elif op.kind == "global_load":
                 out.loads.append((pos, cls, op.width * 32))
+                self.classes[op.text] = cls
             # provenance: ALU results carry their sources' parameters; global loads start afresh (LDC: its slot);
             # shared memory passes on what the latest store within 1 KB of the load's immediate offset stored (a
             # layout conversion: STS, BAR, LDS into the same scratch)

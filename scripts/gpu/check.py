@@ -16,8 +16,9 @@ The model is Llama-3-8B-shaped (32 layers, hidden 4096, 32 query / 8 kv heads of
   (:class:`~spark_bench.engine.decode.StepGraph`), each timed with CUDA events after warm-up steps (kernels
   compiled, tables built, graph captured before timing);
 * ``table1_mix.tokens``: the batched tokens against ``decode_batch=1`` and against eager steps;
-* ``member_kinds``: one row of every member loop of the fused kernel (dense, structured, bare, plain and signed keys,
-  the signed ones walked) at head_dim 32 and 128, layer 0's output against the per-row reference.
+* ``member_kinds``: one row of every member loop of the fused kernel (dense, structured, bare, plain and signed keys)
+  at head_dim 32 and 128, at the model's query heads per kv-head (the signed rows built into tiles) and at 2 (walked),
+  layer 0's output against the per-row reference.
 
 It starts by naming the Triton it runs under and what that changes or disables (``triton`` in check.json).
 
@@ -325,7 +326,9 @@ def _fused_layer(bench: Bench, ctxs: list, heads: int | None = None) -> dict:
     """Layer 0 of the rows as one :class:`BatchedLayer`: each timed call is one ``update`` (the step's own key and
     value) and one ``attend``, as a decode step calls them; first, one call against the reference path. ``heads``:
     the rows' query heads (default: the bench model's). Also which member loops of the fused kernel its tables hold
-    (``kinds``, :data:`~spark_bench.storage.segments.KINDS`) and whether the signed ones were walked (``walk``)."""
+    (``kinds``, :data:`~spark_bench.storage.segments.KINDS`) and how a decode step served the signed ones
+    (``signed``: ``walk``, :mod:`~spark_bench.storage.triton_walk`; ``tiles``,
+    :mod:`~spark_bench.storage.triton_tiles`; None: neither, the compact loop)."""
     scale = bench.scale
     rows = [c.cache.layers[0] for c in ctxs]
     capacity = 2 + scale.warm + scale.repeats
@@ -363,7 +366,8 @@ def _fused_layer(bench: Bench, ctxs: list, heads: int | None = None) -> dict:
             "loose_rows": len(layer.loose), "bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds,
             "fraction_of_peak": nbytes / seconds / peak if peak else None, "error_vs_reference": error,
             "tolerance": TOLERANCE[bench.dtype], "kinds": [k for i, k in enumerate(KINDS) if held >> i & 1],
-            "walk": any(getattr(t, "walk_tab", None) is not None for t in tables),
+            "signed": "tiles" if any(getattr(t, "tiles", False) for t in tables) else "walk" if any(
+                getattr(t, "walk_tab", None) is not None for t in tables) else None,
             "ragged": any(getattr(t, "ragged", False) for t in tables),
             "vsparse": any(getattr(t, "vsparse", False) for t in tables), "attend_kernels": kernels}
 
@@ -408,32 +412,49 @@ def _attend_kernels(bench: Bench, layer, query, scaling: float) -> dict:
     return out
 
 
-# One row of each member loop of the fused kernel (storage/segments.py KINDS), the signed walk included, at a head_dim
-# of one 32-bit mask word and at the production's (four words): the walk's two ends
+# One row of each member loop of the fused kernel (storage/segments.py KINDS) at a head_dim of one 32-bit mask word
+# and at the production's (four words), at the bench's query heads per kv-head (4: a bfloat16 step builds the signed
+# rows into tiles) and at 2 (they are walked)
 KIND_ROWS = ({"name": "snapkv"},                                           # dense keys
              {"name": "snapkv+think", "ratio": 0.5},                       # structured keys (ThinK's channels)
              {"name": "snapkv+spark", "ratio": 0.5, "recovery": "zero"},   # pruned entries read as 0
              {"name": "snapkv+spark", "ratio": 0.5, "saliency": "paper"},  # a recovery without signs
-             {"name": "snapkv+spark", "ratio": 0.8},                       # the official recovery: signs, walked
-             {"name": "adasnapkv+spark", "ratio": 0.5},                    # AdaKV's validity bits on a walked row
+             {"name": "snapkv+spark", "ratio": 0.8},                       # the official recovery: signs
+             {"name": "adasnapkv+spark", "ratio": 0.5},                    # AdaKV's validity bits on a signed row
              {"name": "snapkv+mustafar", "ratio": 0.5, "value_ratio": 0.5})  # bare keys (bf16 ties: ragged), sparse
 # values (VSPARSE)
-KIND_HEAD_DIMS = (32, 128)
+KIND_SHAPES = ((32, None), (128, None), (32, 2), (128, 2))  # (head_dim, query heads per kv-head; None: the bench's)
+
+
+def kind_key(head_dim: int, group: int | None) -> str:
+    """The ``member_kinds`` section's key of a shape of :data:`KIND_SHAPES`."""
+    return f"head_dim_{head_dim}" + (f"_gqa{group}" if group else "")
+
+
+def signed_path(group: int, dtype: torch.dtype) -> str:
+    """How a decode step serves SparK's official-recovery rows at ``group`` query heads per kv-head: built into tiles
+    (:func:`~spark_bench.storage.walk_layout.tiled`: bfloat16, 4 rows a member or more) or walked."""
+    from spark_bench.storage.triton_decode import launch_shape
+    from spark_bench.storage.walk_layout import tiled
+
+    return "tiles" if tiled(launch_shape(group)[1], dtype.itemsize) else "walk"
 
 
 def member_kinds(bench: Bench) -> dict:
-    """For each head_dim of :data:`KIND_HEAD_DIMS`, a one-layer model of the bench's heads (random weights, seeded)
-    compresses one prompt under :data:`KIND_ROWS`; layer 0's fused attention of the rows (:func:`_fused_layer`) holds
-    every member kind, walks the signed rows, and agrees with the per-row reference."""
+    """For each shape of :data:`KIND_SHAPES` (head_dim, query heads per kv-head), a one-layer model (random weights,
+    seeded) compresses one prompt under :data:`KIND_ROWS`; layer 0's fused attention of the rows
+    (:func:`_fused_layer`) holds every member kind, serves the signed rows as :func:`signed_path` says (walked, or in
+    tiles), and agrees with the per-row reference."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     s, out, wrong = bench.scale.shape, {}, []
     tokens = bench.scale.mix_prompt * 2
     budget = max(8, tokens // 4)
-    for d in KIND_HEAD_DIMS:
-        config = AutoConfig.for_model("llama", hidden_size=s["num_attention_heads"] * d, head_dim=d,
+    for d, group in KIND_SHAPES:
+        heads = s["num_key_value_heads"] * group if group else s["num_attention_heads"]
+        config = AutoConfig.for_model("llama", hidden_size=heads * d, head_dim=d,
                                       intermediate_size=2 * d, num_hidden_layers=1,
-                                      num_attention_heads=s["num_attention_heads"],
+                                      num_attention_heads=heads,
                                       num_key_value_heads=s["num_key_value_heads"], vocab_size=1024,
                                       max_position_embeddings=4096, rope_theta=500000.0)
         with torch.random.fork_rng(devices=[bench.device] if bench.device.type == "cuda" else []), \
@@ -442,13 +463,14 @@ def member_kinds(bench: Bench) -> dict:
             model = AutoModelForCausalLM.from_config(config, dtype=bench.dtype).eval()
         ids = torch.randint(100, 1024, (tokens,), generator=bench.generator).tolist()
         configs = [spark_bench.method(**row, budget=budget, **bench.scale.options) for row in KIND_ROWS]
-        result = _fused_layer(bench, spark_bench.compress(model, ids, configs), s["num_attention_heads"])
-        out[f"head_dim_{d}"] = result
+        result = _fused_layer(bench, spark_bench.compress(model, ids, configs), heads)
+        out[kind_key(d, group)] = result
         missing = [k for k in KINDS if k not in result["kinds"]]
-        if result["backend"] != "triton" or result["loose_rows"] or missing or not result["walk"] \
+        path = signed_path(heads // s["num_key_value_heads"], bench.dtype)
+        if result["backend"] != "triton" or result["loose_rows"] or missing or result["signed"] != path \
                 or not result["error_vs_reference"] <= result["tolerance"]:
-            wrong.append(f"head_dim {d}: backend {result['backend']}, {result['loose_rows']} loose rows, kinds "
-                         f"missing {missing or 'none'}, walk {'taken' if result['walk'] else 'not taken'}, error "
+            wrong.append(f"{kind_key(d, group)}: backend {result['backend']}, {result['loose_rows']} loose rows, "
+                         f"kinds missing {missing or 'none'}, signed rows {result['signed']} (not {path}), error "
                          f"{result['error_vs_reference']:.2e} (tolerance {result['tolerance']:.1e})")
         del model
     if wrong:

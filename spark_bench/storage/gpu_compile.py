@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from spark_bench.storage.segments import ALL_KINDS
-from spark_bench.storage.walk_layout import walks
+from spark_bench.storage.walk_layout import tiled, walks
 
 ELEMENTS = {2: "bf16", 4: "fp32"}
 BIN = "backends/nvidia/bin"  # triton's bundled ptxas, cuobjdump and nvdisasm, under the triton package
@@ -94,7 +94,8 @@ def _arguments(launch: Launch):
                              lists=packed[a + b + c:a + b + c + 2], n_slots=4, n_work=2, members=members,
                              aligned=True, width=launch.width if launch.kinds & 2 else 0, pairs=True,
                              kinds=launch.kinds, ragged=launch.ragged, vsparse=launch.vsparse,
-                             walk_tab=packed[:4] if launch.kinds & 16 and walks(d) else None)
+                             walk_tab=packed[:4] if launch.kinds & 16 and walks(d) else None,
+                             tiles=bool(launch.kinds & 16) and walks(d) and tiled(members, launch.itemsize))
     aux = torch.ones(heads, d)
     for kernel, _, args, kwargs in triton_decode.launches(q, 0.088, aux, tables, tail_k, new, new, tail_k, tail_v,
                                                           torch.zeros(1, dtype=torch.int64), launch.q_len, 0,

@@ -31,7 +31,7 @@ import torch
 from spark_bench.storage.bits import pack_bits, tensor_bytes
 from spark_bench.storage.sparse_values import value_parts
 from spark_bench.storage.stores import DenseStore, StructuredKeyStore, UnstructuredStore, channel_index_dtype
-from spark_bench.storage.walk_layout import WALK_TABLE_BYTES, walk_table, walks
+from spark_bench.storage.walk_layout import TILE_TABLE_BYTES, WALK_TABLE_BYTES, tile_table, tiled, walk_table, walks
 from spark_bench.storage.windowed import WindowedStore
 
 # the C++ kernel's table: each array read from one of several parts (the rows' own tensors) at an offset in it
@@ -364,11 +364,16 @@ class FusedTables:
     width: int = 0  # the kernel's TK: the structured (ThinK) segments' kept channels, padded (0: none)
     pairs: bool = False  # every structured segment keeps an even number of channels from a 4-byte aligned start
     kinds: int = ALL_KINDS  # the member kinds its work items hold (bit k: KINDS[k]): the kernel's loops
-    # the signed walk's constant table (storage/triton_walk.py: official-recovery keys at a decode step, head_dim a
-    # multiple of 32 up to 128, masks 4-byte aligned; a slice of ``packed``); None where the walk does not apply
+    # the signed members' constant table at a decode step (official-recovery keys, head_dim a multiple of 32 up to
+    # 128, masks 4-byte aligned; a slice of ``packed``): the walk's (storage/triton_walk.py) or, with ``tiles``, the
+    # tiles' (storage/triton_tiles.py); None where neither applies
     walk_tab: torch.Tensor | None = None
     ragged: bool = False  # a segment's tokens keep different numbers of channels (granule starts: the kernel's RAGGED)
     vsparse: bool = False  # a work item's values are value-sparse (rebuilt from their masks: the kernel's VSPARSE)
+    # a decode step's signed members are built into tiles (storage/triton_tiles.py; walk_layout.tiled: bfloat16,
+    # members of 4 query rows or more), every signed segment holding four kept entries or more (a nibble's four
+    # entries are read together, moved back to stay inside them)
+    tiles: bool = False
 
     @staticmethod
     def chunk_of(n: int, block: int = 16) -> int:
@@ -393,11 +398,12 @@ class FusedTables:
     @classmethod
     def view(cls, packed: torch.Tensor, layout: tuple) -> "FusedTables":
         """The tables over ``packed`` (the device copy of :meth:`layout`'s list, or a slice of a larger upload)."""
-        a, b, c, slots, n_work, members, aligned, width, pairs, kinds, walk_at, ragged, vsparse = layout
+        a, b, c, slots, n_work, members, aligned, width, pairs, kinds, walk_at, ragged, vsparse, tiles = layout
         lists = packed[a + b + c:walk_at if walk_at >= 0 else None]
-        walk_tab = packed[walk_at:walk_at + WALK_TABLE_BYTES // 8] if walk_at >= 0 else None
+        walk_tab = packed[walk_at:walk_at + (TILE_TABLE_BYTES if tiles else WALK_TABLE_BYTES) // 8] \
+            if walk_at >= 0 else None
         return cls(packed, packed[:a], packed[a:a + b], packed[a + b:a + b + c], lists, slots, n_work,
-                   members, aligned, width, pairs, kinds, walk_tab, ragged, vsparse)
+                   members, aligned, width, pairs, kinds, walk_tab, ragged, vsparse, tiles)
 
     @classmethod
     def layout(cls, keys: "SegmentStack", values: "ValueStack", valid: list, members: int,
@@ -410,6 +416,7 @@ class FusedTables:
         seg_rows, first, second, split = [], [-1] * n_heads, [-1] * n_heads, [1 << 62] * n_heads
         d8 = keys.head_dim // 8
         widest = 0  # the widest structured segment (the kernel's TK)
+        tiles = True  # (every signed segment holds four kept entries or more: FusedTables.tiles)
         structured: dict = {}  # query head → its structured segment's (kept count, (channel-index part, offset))
         for row, fill, (cp, co) in zip(keys._rows, keys._fills, keys._chans):
             qh, out_off, n, t, kp, ko, mp, mo, ms, up, uo, sp, so, mode, gp, go = row
@@ -423,6 +430,7 @@ class FusedTables:
                              struct.unpack("<i", struct.pack("<f", fill))[0],
                              _address(keys.start_parts[gp], go) if gp >= 0 else 0])
             widest = max(widest, t if cp >= 0 else 0)
+            tiles = tiles and (mode != MODES["signed"] or n * t >= 4)
             if first[qh] < 0:
                 first[qh] = len(seg_rows) - 1
                 if cp >= 0 and t > 0:  # a structured head: its kept count and indices, copied into the tables
@@ -515,7 +523,10 @@ class FusedTables:
         if present & 1 << KINDS.index("signed") and walks(d) and all(
                 r[3] % 4 == 0 and r[1] >= 0 for r in seg_rows if r[8] == MODES["signed"]):  # (fixed T: walked)
             walk_at = len(flat)
-            flat += list(struct.unpack(f"<{WALK_TABLE_BYTES // 8}q", walk_table()))
+            tiles = tiles and tiled(members, keys.dtype.itemsize)  # (else the walk's table)
+            table = tile_table() if tiles else walk_table()
+            flat += list(struct.unpack(f"<{len(table) // 8}q", table))
+        tiles = tiles and walk_at >= 0
         rows = (keys.head_dim * keys.dtype.itemsize) % 16 == 0
         aligned = rows and all(r[4] % 16 == 0 for r in work) and all(r[2] % 16 == 0 for r in seg_rows if r[8] == 3)
         vsparse = any(r[10] for r in work)  # the kernel's VSPARSE: some item's values are rebuilt from masks
@@ -525,7 +536,7 @@ class FusedTables:
                     if cp >= 0 and r[1] > 0)  # (structured)
         ragged = any(r[1] < 0 for r in seg_rows)  # the kernel's RAGGED: a token's entries from its granule's start
         return flat, (SEG_COLS * len(seg_rows), HEAD_COLS * n_heads, WORK_COLS * len(work), slots, len(work), members,
-                      aligned, width, pairs, present, walk_at, ragged, vsparse)
+                      aligned, width, pairs, present, walk_at, ragged, vsparse, tiles)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed)

@@ -142,6 +142,33 @@ def _keys(out_off, t_kept, kept_addr, mask_addr, mask_stride, mu_addr, sign_addr
 
 
 @triton.jit
+def _compact_logits(k, scale, sign, q1, q2, q3, qa1, qa2, qa3, qd, q_scale, RECOVER: tl.constexpr,
+                    ONE: tl.constexpr):
+    """Logits ``(rows, n)`` of bfloat16 compact keys given as a key tile ``k`` (kept entries at their channels) and,
+    with ``RECOVER``, the per-token recovery scale with the sign tile ``S`` (:func:`_keys`): ``q · k̃ = q · k +
+    scale · (q ∘ a) · S`` on the tensor cores, float32 products (``q1 … q3``, ``qa1 … qa3``: the scaled queries' and
+    ``q ∘ a``'s bfloat16 splits, :func:`~.triton_math._split3`); with ``ONE`` (bfloat16 queries) ``q · k`` is one
+    dot against ``qd``, the unscaled queries, times ``q_scale``. The recovery's dots first, into the kept part's
+    accumulator."""
+    init = tl.zeros((q1.shape[0], k.shape[0]), tl.float32)
+    if RECOVER:
+        init = scale[None, :] * _dot3(qa1, qa2, qa3, tl.trans(sign), init)
+    if ONE:
+        return init + _rows_dot(qd, qd, qd, k, q_scale, tl.bfloat16, ONE)
+    return _dot3(q1, q2, q3, tl.trans(k), init)
+
+
+@triton.jit
+def _visible(hrow, t, live):
+    """Which tokens ``t`` of a query head (its head-table row ``hrow``) are attended: the live ones whose AdaKV
+    validity bit is set (every live one where the head has no validity bits: address 0, nothing read)."""
+    valid_addr = tl.load(hrow + 3)
+    vbyte = tl.load((valid_addr + (t >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True),
+                    mask=live & ((t * 0 + valid_addr) != 0), other=255).to(tl.int32)
+    return live & (((vbyte >> (t & 7).to(tl.int32)) & 1) != 0)
+
+
+@triton.jit
 def _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, seg_ptr, aux_ptr, t, live, c,
                    ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_T: tl.constexpr, SIGNS: tl.constexpr, RECOVER: tl.constexpr, RAGGED: tl.constexpr, qd,
@@ -165,21 +192,11 @@ def _member_scores(s, q, q1, q2, q3, qa1, qa2, qa3, member, m, heads, head_ptr, 
                            fill, tl.load(b + 2), tl.load(b), tl.load(hrow + 2), t, live, c, ELEM, ESIZE, D, D_PAD,
                            BLOCK_T, SIGNS, RECOVER, not RECOVER, RAGGED, starts_addr)
     if ELEM == tl.bfloat16:
-        init = tl.zeros((q.shape[0], BLOCK_T), tl.float32)
-        if RECOVER:
-            init = scale[None, :] * _dot3(qa1, qa2, qa3, tl.trans(sign), init)
-        if ONE:
-            sm = init + _rows_dot(qd, qd, qd, k, q_scale, ELEM, ONE)
-        else:
-            sm = _dot3(q1, q2, q3, tl.trans(k), init)
+        sm = _compact_logits(k, scale, sign, q1, q2, q3, qa1, qa2, qa3, qd, q_scale, RECOVER, ONE)
     elif not RECOVER:
         sm = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
     else:
         aux = tl.load(aux_ptr + qh * D + c, mask=c < D, other=0.0)
         keys = k.to(tl.float32) + (scale[:, None] * sign.to(tl.float32)) * aux[None, :]  # (k = 0 / S = 0 apart)
         sm = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
-    valid_addr = tl.load(hrow + 3)
-    vbyte = tl.load((valid_addr + (t >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True),
-                    mask=live & ((t * 0 + valid_addr) != 0), other=255).to(tl.int32)
-    visible = live & (((vbyte >> (t & 7).to(tl.int32)) & 1) != 0)
-    return tl.where((member == m)[:, None] & visible[None, :], sm, s)
+    return tl.where((member == m)[:, None] & _visible(hrow, t, live)[None, :], sm, s)

@@ -58,14 +58,15 @@ from spark_bench.storage.triton_math import _online, _prefetch, _rows_dot, _spli
 from spark_bench.storage.triton_merge import _merge_kernel
 from spark_bench.storage.triton_versions import PARTIAL_WARPS, PREFETCH
 from spark_bench.storage.triton_walk import _walk_scores, _walk_tables
-from spark_bench.storage.walk_layout import head_floats
+from spark_bench.storage.triton_tiles import _tile_scores
+from spark_bench.storage.walk_layout import PROGRAM_ROWS, head_floats
 
 # the tables' row widths (storage/segments.py builds them, its *_COLS say what each column holds)
 SEG: tl.constexpr = tl.constexpr(SEG_COLS)
 HEAD: tl.constexpr = tl.constexpr(HEAD_COLS)
 WORK: tl.constexpr = tl.constexpr(WORK_COLS)
 BLOCK = {2: 32, 4: 16}  # tokens per step of the token loop by element size
-ROWS = 16       # query rows per program (the dot products' M)
+ROWS = PROGRAM_ROWS  # query rows per program (the dot products' M: 16)
 NUM_WARPS = 8   # the merge of a suffix (16 query rows and more)
 NUM_STAGES = 1  # the token loop holds the member loops: Triton's pipeliner does not act on it
 # ptxas given no register limit caps these kernels at 64/80/128 registers (3-4 or 2 CTAs per SM of 256 threads) and
@@ -103,7 +104,7 @@ def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, q
           ELEM: tl.constexpr, ESIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROWS_: tl.constexpr,
           BLOCK_: tl.constexpr, VALIGN: tl.constexpr, TK: tl.constexpr, PAIRS: tl.constexpr, MASKED: tl.constexpr,
           KINDS: tl.constexpr, RPM: tl.constexpr, WALK: tl.constexpr, AHEAD: tl.constexpr,
-          RAGGED: tl.constexpr = False, ONE: tl.constexpr = False):
+          RAGGED: tl.constexpr = False, ONE: tl.constexpr = False, TILE: tl.constexpr = False):
     """One block of ``BLOCK_`` tokens from ``t0``: its values ``v`` (loaded by the caller, a block ahead), every member's logits (one loop per kind, in the
     order :class:`~spark_bench.storage.segments.FusedTables` sorts them; a kind's loop only where ``KINDS`` has its
     bit), the online softmax. Without ``MASKED`` (a whole block) nothing is masked and the values and dense keys are
@@ -169,7 +170,10 @@ def _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, q
                                c, ELEM, ESIZE, D, D_PAD, BLOCK_, False, True, RAGGED, qd, scale, ONE)
     if KINDS & 16:
         for m in range(n_plain, count):  # compact keys with signs (official recovery)
-            if WALK:  # (a decode step: each token's kept entries walked where they are stored)
+            if TILE:  # (a bfloat16 decode step, 4 rows a member or more: tiles built a nibble at a time)
+                s = _tile_scores(s, member, m, heads, head_ptr, seg_ptr, tab_ptr, t0, t_end, q1, q2, q3, qa1, qa2,
+                                 qa3, qd, scale, D, D_PAD, BLOCK_, MASKED, ONE, AHEAD and not MASKED)
+            elif WALK:  # (a decode step: each token's kept entries walked where they are stored)
                 s = _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, t_end, D, D_PAD,
                                  BLOCK_, RPM, ROWS_, ELEM, ESIZE, AHEAD and not MASKED)
             else:
@@ -197,7 +201,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
                      RPM: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_: tl.constexpr, ESIZE: tl.constexpr,
                      VALIGN: tl.constexpr = False, TK: tl.constexpr = 0, PAIRS: tl.constexpr = False,
                      KINDS: tl.constexpr = ALL_KINDS, WALK: tl.constexpr = False, AHEAD: tl.constexpr = False,
-                     RAGGED: tl.constexpr = False, VSPARSE: tl.constexpr = False):
+                     RAGGED: tl.constexpr = False, VSPARSE: tl.constexpr = False, TILE: tl.constexpr = False):
     """One work item: ``MEMBERS`` query heads (``RPM`` query rows each) over one chunk of one value tensor.
     ``VALIGN``: every value tensor of the tables starts 16-byte aligned (16-byte value loads); ``PAIRS``: every
     structured segment keeps an even number of channels from a 4-byte aligned start (its entries read in pairs);
@@ -205,6 +209,8 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     ``[k]``, the structured one also ``TK > 0``), the others' loops not compiled in (a launch without compact keys:
     ~190 registers, ~70 fewer instructions per block); ``WALK``: the signed members are walked (:mod:`.triton_walk`;
     a decode step, ``n_rows ≤ RPM``), their per-step tables written at ``walk_ptr``, the constant table at ``tab_ptr``;
+    ``TILE``: instead built into key and sign tiles a nibble at a time (:mod:`.triton_tiles`; a bfloat16 decode step
+    whose members hold :data:`~.walk_layout.TILE_ROWS` rows or more), the same constant table;
     ``AHEAD``: each whole block asks L2 for the next block's values and keys (:data:`PREFETCH`; not in a launch
     holding value-sparse values, whose registers it would spill: 12–60 bytes on sm_80 with every kind); ``RAGGED``: a
     segment's tokens keep different numbers of channels (:func:`~.triton_compact._keys`; off: not compiled in);
@@ -325,7 +331,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
                               qg3, qd, scale, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense,
                               n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
-                              VALIGN, TK, PAIRS, False, KINDS, RPM, WALK, AHEAD, RAGGED, ONE)
+                              VALIGN, TK, PAIRS, False, KINDS, RPM, WALK, AHEAD, RAGGED, ONE, TILE)
     for t0 in range(full_end, t_end, BLOCK_):
         if VSPARSE:
             if v_mask != 0:
@@ -338,7 +344,7 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
         m_i, l_i, acc = _step(m_i, l_i, acc, t0, t_end, v, elem_ptr, q, q1, q2, q3, qa1, qa2, qa3, qg1, qg2,
                               qg3, qd, scale, member, list_ptr + list_start, head_ptr, seg_ptr, aux_ptr, c, n_dense,
                               n_struct, n_bare, n_plain, count, walk_ptr, tab_ptr, ELEM, ESIZE, D, D_PAD, RPM * MEMBERS, BLOCK_,
-                              VALIGN, TK, PAIRS, True, KINDS, RPM, WALK, AHEAD, RAGGED, ONE)
+                              VALIGN, TK, PAIRS, True, KINDS, RPM, WALK, AHEAD, RAGGED, ONE, TILE)
     slot = tl.load(head_ptr + qh_r * HEAD + 4, mask=row_ok, other=0) + chunk
     at = slot * n_rows + g
     tl.store(acc_ptr + at[:, None] * D + c[None, :], acc, mask=row_ok[:, None] & cm[None, :])
@@ -371,18 +377,23 @@ def launches(q, scale: float, aux_scale, tables, elem, new_keys, new_values, tai
     # registers it would spill (sm_80, D = 128, every kind: 4–12 bytes) — its signed rows take the compact loop
     kinds, ragged, vsparse = (getattr(tables, "kinds", ALL_KINDS), bool(getattr(tables, "ragged", False)),
                               bool(getattr(tables, "vsparse", False)))
-    walk = getattr(tables, "walk_tab", None) is not None and n <= rpm and not (ragged and elem.element_size() == 4)
+    signed_step = getattr(tables, "walk_tab", None) is not None and n <= rpm and not (
+        ragged and elem.element_size() == 4)
+    # tables whose signed constant table is the tiles' (walk_layout.tiled: a bfloat16 step whose members hold 4 rows
+    # or more) build tiles, no per-step tables, instead of walking
+    tile = signed_step and bool(getattr(tables, "tiles", False))
+    walk = signed_step and not tile
     warps = PARTIAL_WARPS[elem.element_size()]
     scratch = torch.empty(tables.head.numel() // HEAD_COLS * head_floats(d, rpm), dtype=torch.float32,
                           device=q.device) if walk else acc
     partials = (_partials_kernel, (max(tables.n_work, 1), triton.cdiv(n, rpm)),
                 (q, aux_scale, tables.seg, tables.head, tables.work, tables.lists, acc, ml, elem, tail_len, scratch,
-                 tables.walk_tab if walk else tables.seg, n, q.stride(0), scale, tables.n_work, advance),
+                 tables.walk_tab if signed_step else tables.seg, n, q.stride(0), scale, tables.n_work, advance),
                 dict(D=d, D_PAD=d_pad, RPM=rpm, MEMBERS=members, BLOCK_=BLOCK[elem.element_size()],
                      ESIZE=elem.element_size(), VALIGN=bool(getattr(tables, "aligned", False)),
                      TK=getattr(tables, "width", 0), PAIRS=bool(getattr(tables, "pairs", False)),
                      KINDS=kinds, WALK=walk, AHEAD=PREFETCH[elem.element_size()] and not vsparse, RAGGED=ragged,
-                     VSPARSE=vsparse,
+                     VSPARSE=vsparse, TILE=tile,
                      num_warps=warps, num_stages=NUM_STAGES,
                      maxnreg=max_registers(kinds, warps, n <= rpm, ragged, vsparse)))
     # a decode step's few rows: no padding to 16, except for bfloat16 tails (tensor-core dots need 16 rows)

@@ -4,10 +4,11 @@ Float32 products on the tensor cores from bfloat16 operands: a float32 operand i
 (:func:`_split3`, ``a = a₁ + a₂ + a₃`` to float32's 24 bits), each product with a bfloat16 is exact in float32, and
 :func:`_dot3` accumulates the three dots in float32. The online softmax (:func:`_online`) folds a block of logits
 and values into a running max, sum and ``Σ weight · value``. Helpers for the C++ kernel's exact arithmetic:
-:func:`_sqrt_rn` (correctly rounded ``sqrt``), :func:`_popc` (``POPC``). Under Triton's CPU interpreter
-(``TRITON_INTERPRET=1`` set before this module is imported) the GPU-only instructions fall back to equivalents, and
-the interpreter's bfloat16 ``tl.dot`` is made to widen its operands (:func:`_interpreter_bf16_dot`); two faults of the
-interpreter up to Triton 3.2 are put right (:func:`_interpreter_older_triton`).
+:func:`_sqrt_rn` (correctly rounded ``sqrt``); bit instructions: :func:`_popc` (``POPC``), :func:`_ffs`,
+:func:`_prmt` (``PRMT``). Under Triton's CPU interpreter (``TRITON_INTERPRET=1`` set before this module is
+imported) the GPU-only instructions fall back to equivalents, and the interpreter's bfloat16 ``tl.dot`` is made to
+widen its operands (:func:`_interpreter_bf16_dot`); two faults of the interpreter up to Triton 3.2 are put right
+(:func:`_interpreter_older_triton`).
 """
 
 from __future__ import annotations
@@ -126,6 +127,22 @@ def _ffs(x):
         return tl.where(x != 0, _popc((x & (~x + 1)) - 1) + 1, 0)
     else:
         return libdevice.ffs(x.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _prmt(a, b, sel):
+    """PTX ``prmt.b32`` (default mode; selector nibbles < 8): byte ``i`` of the result is byte ``(sel >> 4i) & 7`` of
+    ``{b, a}`` (0–3: ``a``'s, 4–7: ``b``'s), uint32 — one byte permute (``PRMT``); under the CPU interpreter the same
+    by shifts."""
+    if INTERPRET:
+        out = tl.zeros_like(a)
+        for i in tl.static_range(4):
+            n = (sel >> (4 * i)) & 7
+            out = out | (((tl.where(n < 4, a, b) >> ((n & 3) * 8)) & 0xFF) << (8 * i))
+        return out
+    else:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from spark_bench.storage.segments import HEAD_COLS, SEG_COLS
+from spark_bench.storage.triton_compact import _visible
 from spark_bench.storage.triton_math import _ffs, _popc, _prefetch, _sqrt_rn
 
 SEG: tl.constexpr = tl.constexpr(SEG_COLS)  # (the tables' row widths)
@@ -133,6 +134,26 @@ def _walk_start(x0, x1, x2, x3, c1, c2, c3, p0, tab):
 
 
 @triton.jit
+def _signed_ahead(row, l1, n1, t_kept, bits, sign_addr, D: tl.constexpr, D_PAD: tl.constexpr,
+                  BLOCK_: tl.constexpr, ELEM: tl.constexpr, ESIZE: tl.constexpr):
+    """Ask L2 (:func:`~.triton_math._prefetch`) for the next block's bytes of a signed segment (table row ``row``;
+    ``bits``: its sign bits' first bit from the 4-byte aligned word below ``sign_addr``): its mask words, μ, sign
+    bits and kept entries of its ``n1`` tokens from the segment's token ``l1`` (none past the chunk's end: ``n1``
+    ≤ 0)."""
+    NW: tl.constexpr = D // 32
+    stride = tl.load(row + 4).to(tl.int32) * NW
+    # (lines: powers of two, each at least the array's lines in a block plus one, its start unaligned)
+    _prefetch(tl.load(row + 3).to(tl.pointer_type(tl.uint32), bitcast=True) + l1 * stride, n1 * stride * 4,
+              BLOCK_ * D_PAD // 32 * 4 // 64)
+    _prefetch(tl.load(row + 5).to(tl.pointer_type(ELEM), bitcast=True) + l1, n1 * ESIZE, 2)
+    f1 = bits + l1.to(tl.int64) * (D - t_kept)
+    _prefetch((sign_addr - (sign_addr & 3)).to(tl.pointer_type(tl.int8), bitcast=True) + (f1 >> 3),
+              (n1 * (D - t_kept) + 15) // 8, BLOCK_ * D_PAD // 8 // 64)
+    _prefetch(tl.load(row + 2).to(tl.pointer_type(ELEM), bitcast=True) + l1 * t_kept, n1 * t_kept * ESIZE,
+              BLOCK_ * D_PAD * ESIZE // 64)
+
+
+@triton.jit
 def _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, t_end, D: tl.constexpr,
                  D_PAD: tl.constexpr, BLOCK_: tl.constexpr, RPM: tl.constexpr, ROWS_: tl.constexpr,
                  ELEM: tl.constexpr, ESIZE: tl.constexpr = 2, AHEAD: tl.constexpr = False):
@@ -184,19 +205,9 @@ def _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, 
     spt = (t_kept + 3) // 4  # kept ranks per lane
     lim = tl.where(live, tl.minimum(spt, t_kept - W * spt), 0)  # the lane's kept ranks (its slots past them: none)
     kept = tl.load(row + 2).to(tl.pointer_type(ELEM), bitcast=True) + local * t_kept + W * spt
-    if AHEAD:  # the next block's bytes of each array, from its first token's (none past the chunk's end)
-        n1 = tl.minimum(t_end - t0 - BLOCK_, BLOCK_).to(tl.int32)
-        l1 = (t0 + BLOCK_ - tl.load(row)).to(tl.int32)
-        stride = tl.load(row + 4).to(tl.int32) * NW
-        # (lines: powers of two, each at least the array's lines in a block plus one, its start unaligned)
-        _prefetch(tl.load(row + 3).to(tl.pointer_type(tl.uint32), bitcast=True) + l1 * stride, n1 * stride * 4,
-                  BLOCK_ * D_PAD // 32 * 4 // 64)
-        _prefetch(tl.load(row + 5).to(tl.pointer_type(ELEM), bitcast=True) + l1, n1 * ESIZE, 2)
-        f1 = bits + l1.to(tl.int64) * (D - t_kept)
-        _prefetch((sign_addr - (sign_addr & 3)).to(tl.pointer_type(tl.int8), bitcast=True) + (f1 >> 3),
-                  (n1 * (D - t_kept) + 15) // 8, BLOCK_ * D_PAD // 8 // 64)
-        _prefetch(tl.load(row + 2).to(tl.pointer_type(ELEM), bitcast=True) + l1 * t_kept, n1 * t_kept * ESIZE,
-                  BLOCK_ * D_PAD * ESIZE // 64)
+    if AHEAD:
+        _signed_ahead(row, (t0 + BLOCK_ - tl.load(row)).to(tl.int32), tl.minimum(t_end - t0 - BLOCK_, BLOCK_).to(
+            tl.int32), t_kept, bits, sign_addr, D, D_PAD, BLOCK_, ELEM, ESIZE)
     c1 = _popc(x0).to(tl.uint32)  # kept channels before words 1, 2, 3
     c2 = c1 + _popc(x1).to(tl.uint32)
     c3 = c2 + _popc(x2).to(tl.uint32)
@@ -232,8 +243,4 @@ def _walk_scores(s, member, m, heads, head_ptr, seg_ptr, walk_ptr, tab_ptr, t0, 
     sm = tl.trans(tl.reshape(tl.sum(acc, axis=1), (BLOCK_, RPM)))
     sm = tl.reshape(tl.broadcast_to(sm[None, :, :], (ROWS_ // RPM, RPM, BLOCK_)), (ROWS_, BLOCK_))
     t1 = t0 + tl.arange(0, BLOCK_)
-    valid_addr = tl.load(hrow + 3)
-    vbyte = tl.load((valid_addr + (t1 >> 3)).to(tl.pointer_type(tl.uint8), bitcast=True),
-                    mask=(t1 < t_end) & ((t1 * 0 + valid_addr) != 0), other=255).to(tl.int32)
-    visible = (t1 < t_end) & (((vbyte >> (t1 & 7).to(tl.int32)) & 1) != 0)
-    return tl.where((member == m)[:, None] & visible[None, :], sm, s)
+    return tl.where((member == m)[:, None] & _visible(hrow, t1, t1 < t_end)[None, :], sm, s)

@@ -1,12 +1,17 @@
-"""The layout of the fused decode's signed walk (:mod:`.triton_walk`): where it applies, its constant table and the
-size of its per-step tables. Plain Python, read by the tables (:class:`~.segments.FusedTables`), the launches
+"""The layout of the fused decode's signed members at a decode step — walked (:mod:`.triton_walk`) or built into
+tensor-core tiles a nibble at a time (:mod:`.triton_tiles`): where each applies, their constant table and the size of
+the walk's per-step tables. Plain Python, read by the tables (:class:`~.segments.FusedTables`), the launches
 (:mod:`.triton_decode`) and the memory planner (``memory.step_work``)."""
 
 from __future__ import annotations
 
 import functools
 
-WALK_TABLE_BYTES = 2368  # the constant table (walk_table)
+WALK_TABLE_BYTES = 2368  # the walk's constant table (walk_table)
+TILE_TABLE_BYTES = 2176  # the tiles' (tile_table): per mask nibble, its PRMT selectors, placing and zeroing (128 B);
+TILE_SIGNS = 128         # from here, per (mask nibble, its pruned channels' next 4 signs) the sign tile's entries
+TILE_ROWS = 4            # query rows per member from which the tiles serve a bfloat16 decode step
+PROGRAM_ROWS = 16        # query rows of one program of the fused decode (triton_decode.ROWS: the dots' M)
 
 
 def walks(head_dim: int) -> bool:
@@ -32,6 +37,43 @@ def walk_table() -> bytes:
         for ch in range(16):
             out[2112 + 16 * pm + ch] = sum(1 << i for j, i in enumerate(on) if ch >> j & 1)
     return bytes(out)
+
+
+@functools.lru_cache(maxsize=1)
+def tile_table() -> bytes:
+    """The tiles' constant table (uint32, little-endian). Per mask nibble (16 × 2): the ``PRMT`` selectors placing its
+    kept entries (channel ``j`` ← bytes ``2s, 2s + 1`` of the four entries loaded from the nibble's first kept rank,
+    ``s`` = its kept channels below ``j``; channels 0, 1 in the low half, 2, 3 in the high half: each half one
+    permute's four byte selectors), then the selectors that keep those channels' bytes and zero the others' (byte
+    ``i`` ← ``i``, or 4: byte 0 of a zero word; same halves). Per (mask nibble, the next four sign bits of its pruned
+    channels in pruned order) (256 × 2, from :data:`TILE_SIGNS`): the sign tile's four bfloat16 entries, in pairs:
+    0 kept, +1 (0x3F80) pruned positive, −1 (0xBF80) pruned negative — :func:`~.triton_compact._keys`' ``S``."""
+    words = []
+    for nib in range(16):
+        sel, keep = 0, 0x44444444
+        for j in (j for j in range(4) if nib >> j & 1):
+            src = bin(nib & ((1 << j) - 1)).count("1")
+            sel |= (2 * src | (2 * src + 1) << 4) << (8 * j)
+            keep ^= (0x44 ^ (2 * (j % 2) | (2 * (j % 2) + 1) << 4)) << (8 * j)
+        words += [sel, keep]
+    for code in range(256):
+        nib, signs = code & 15, code >> 4
+        v = [0 if nib >> j & 1 else 0x3F80 if signs >> (j - bin(nib & ((1 << j) - 1)).count("1")) & 1 else 0xBF80
+             for j in range(4)]
+        words += [v[0] | v[1] << 16, v[2] | v[3] << 16]
+    out = b"".join(w.to_bytes(4, "little") for w in words)
+    assert len(out) == TILE_TABLE_BYTES and TILE_SIGNS == 16 * 8
+    return out
+
+
+def tiled(members: int, itemsize: int) -> bool:
+    """Whether a decode step's signed members are built into key tiles (:mod:`.triton_tiles`) rather than walked, for
+    work items of ``members`` query heads (each ``PROGRAM_ROWS // members`` query rows): bfloat16 stores (entries
+    placed by byte permutes, scored on the tensor cores) whose members hold at least :data:`TILE_ROWS` query rows. A
+    walk's FMAs and gathers grow with the rows, a tile's dot covers the program's 16 rows whatever a member holds
+    (sm_90 SASS, ``scripts/bench/instructions.py``). (The tables also ask that every signed segment hold four kept
+    entries or more: :attr:`~.segments.FusedTables.tiles`.)"""
+    return itemsize == 2 and PROGRAM_ROWS // members >= TILE_ROWS
 
 
 def head_floats(head_dim: int, rpm: int) -> int:
