@@ -457,6 +457,7 @@ def test_a_decode_step_without_recovering_members_launches_lean():
     where it walks the official recovery's rows, and where it builds them into tiles."""
     from spark_bench.storage import triton_decode as td
     from spark_bench.storage.gpu_compile import Launch, _arguments
+    from spark_bench.storage.triton_versions import TILES
 
     lean = [("dense",), ("structured", "bare"), ("dense", "structured", "bare")]
     for kinds in lean:
@@ -475,21 +476,24 @@ def test_a_decode_step_without_recovering_members_launches_lean():
               for ragged in (False, True)
               for kw in [_arguments(Launch("partials", 128, group, 1, size, ragged=ragged))[2]]}
     walk, tile, neither = (True, False), (False, True), (False, False)
-    for group in (4, 8):
-        assert signed.pop((group, 2, False)) == signed.pop((group, 2, True)) == tile
+    for group in (4, 8):  # (tiles from Triton 3.6 on: triton_versions.TILES)
+        assert signed.pop((group, 2, False)) == signed.pop((group, 2, True)) == (tile if TILES else walk)
     assert signed == {(2, 2, False): walk, (2, 2, True): walk, (2, 4, False): walk, (2, 4, True): neither,
                       (4, 4, False): walk, (4, 4, True): neither, (8, 4, False): walk, (8, 4, True): neither}
 
 
 def test_the_launch_shape_follows_the_triton_that_compiles_it():
-    """One table decides the bfloat16 warps, the L2 prefetch and what check.py reports, by Triton version: 3.9 the
-    tuned kernel, 3.6–3.8 the same launch with its spill named, before 3.6 (torch 2.6's 3.2) 8 warps and no prefetch."""
+    """One table decides the bfloat16 warps, the L2 prefetch, the signed rows' tiles and what check.py reports, by
+    Triton version: 3.9 the tuned kernel, 3.6–3.8 the same launch with its spill named, before 3.6 (torch 2.6's 3.2)
+    8 warps, no prefetch and the signed rows walked."""
     from spark_bench.storage import triton_versions as td
 
     tuned, spilling, old = td.triton_launch((3, 9)), td.triton_launch((3, 6)), td.triton_launch((3, 2))
     assert (tuned.bf16_warps, tuned.prefetch, tuned.notes) == (4, True, ())
     assert td.triton_launch((3, 8)) == spilling and (spilling.bf16_warps, spilling.prefetch) == (4, True)
     assert "spills" in spilling.notes[0] and td.triton_launch((4, 0)) == tuned
-    assert (old.bf16_warps, old.prefetch, len(old.notes)) == (8, False, 3) and td.triton_launch((3, 5)) == old
+    assert (old.bf16_warps, old.prefetch, len(old.notes)) == (8, False, 4) and td.triton_launch((3, 5)) == old
+    # SparK's signed rows: tiles from 3.6 on, walked before (at 8 warps the tiles spill)
+    assert (tuned.tiles, spilling.tiles, old.tiles) == (True, True, False) and "walked" in old.notes[-1]
     assert td.PARTIAL_WARPS == {2: td.SHAPE.bf16_warps, 4: 8} and td.PREFETCH == {2: td.SHAPE.prefetch, 4: False}
     assert td.TRITON_NOTES == list(td.triton_launch(td.TRITON).notes)

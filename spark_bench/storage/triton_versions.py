@@ -19,13 +19,15 @@ TRITON = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", triton.__version__).gro
 class LaunchShape:
     """What the partials kernel launches under a Triton from ``since`` on (the first row of :data:`LAUNCH_SHAPES`
     this Triton reaches): its bfloat16 warps, whether each block asks L2 for the next one (``AHEAD``,
-    triton_math._prefetch), and what differs from the tuned kernels (``notes``: scripts/gpu/check.py names them;
-    nothing is disabled)."""
+    triton_math._prefetch), whether a bfloat16 decode step builds SparK's signed rows into tiles
+    (``tiles``: storage/triton_tiles.py; else they are walked, walk_layout.tiled), and what differs from the tuned
+    kernels (``notes``: scripts/gpu/check.py names them; nothing is disabled)."""
 
     since: tuple[int, int]
     bf16_warps: int
     prefetch: bool
     notes: tuple[str, ...] = ()
+    tiles: bool = True
 
 
 # Warps of the bfloat16 partials kernel (tensor-core dots): 4 at BLOCK 32 (≤ 248 registers at D ≤ 128, 2 CTAs per
@@ -43,7 +45,9 @@ LAUNCH_SHAPES = (
         "the bfloat16 partials kernel launches 8 warps, not 4 (at 4 this Triton's register allocation spills)",
         "no L2 prefetch of the next block (at 8 warps this Triton spills its registers)",
         "a batch holding a ragged store (tokens keeping different counts: RAGGED) beside every other member kind "
-        "spills 24 bytes on sm_90 and sm_80, 36 (sm_80: 44) with value-sparse values too (VSPARSE; none under 3.9)")),
+        "spills 24 bytes on sm_90 and sm_80, 36 (sm_80: 44) with value-sparse values too (VSPARSE; none under 3.9)",
+        "SparK's official-recovery rows are walked at a decode step, not built into tiles (at 8 warps with every "
+        "member kind, the tiles spill 24 bytes on sm_90)"), tiles=False),
 )
 
 
@@ -55,6 +59,7 @@ def triton_launch(version: tuple[int, int]) -> LaunchShape:
 SHAPE = triton_launch(TRITON)
 PARTIAL_WARPS = {2: SHAPE.bf16_warps, 4: 8}  # by element size; float32 (FMA dots): 8 warps at BLOCK 16, no spill
 TRITON_NOTES = list(SHAPE.notes)
+TILES = SHAPE.tiles  # (walk_layout.tiled)
 # by element size: the float32 kernel's 8 warps spill the prefetches' registers (64 bytes on sm_80 under 3.9 with
 # every member kind, D = 128, GQA 4), so it asks none, as no kernel at 8 warps does
 PREFETCH = {2: SHAPE.prefetch and SHAPE.bf16_warps == 4, 4: False}

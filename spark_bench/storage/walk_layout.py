@@ -72,8 +72,19 @@ def tiled(members: int, itemsize: int) -> bool:
     placed by byte permutes, scored on the tensor cores) whose members hold at least :data:`TILE_ROWS` query rows. A
     walk's FMAs and gathers grow with the rows, a tile's dot covers the program's 16 rows whatever a member holds
     (sm_90 SASS, ``scripts/bench/instructions.py``). (The tables also ask that every signed segment hold four kept
-    entries or more: :attr:`~.segments.FusedTables.tiles`.)"""
-    return itemsize == 2 and PROGRAM_ROWS // members >= TILE_ROWS
+    entries or more: :attr:`~.segments.FusedTables.tiles`; and a Triton that compiles them without a spill:
+    :data:`~.triton_versions.TILES`, none before 3.6.)"""
+    return itemsize == 2 and PROGRAM_ROWS // members >= TILE_ROWS and _tiles_compile()
+
+
+def _tiles_compile() -> bool:
+    """Whether this environment's Triton builds the tiles (:data:`~.triton_versions.TILES`); without Triton there
+    is no fused decode for them to serve."""
+    try:
+        from spark_bench.storage.triton_versions import TILES
+    except ImportError:
+        return False
+    return TILES
 
 
 def head_floats(head_dim: int, rpm: int) -> int:
