@@ -182,21 +182,26 @@ def test_a_prefetch_of_the_next_block_leaves_the_l2_latency_or_what_is_left():
 def test_a_gather_inside_the_prefetched_rows_is_credited_but_not_another_arrays_load():
     """A load whose address is the prefetched array's (the same table entries) plus an offset computed from this
     block's loaded data (a kept entry by its rank, a sign word by the kept channels before it:
-    ``storage/triton_tiles.py``) reads lines the prefetch asked for: credited as prefetched. A load whose address
-    also takes another table entry (another array's base) is not, whatever data it adds."""
+    ``storage/triton_tiles.py``) — and from a *position* entry (a work item's chunk bounds: where the block is, not
+    where an array is) — reads lines the prefetch asked for: credited as prefetched. A load whose address also takes
+    another table entry (another array's base) is not, whatever data it adds."""
+    POS = 0x220  # (a table parameter whose entries are positions: the partials kernel's work items)
     work = [f"FFMA R{30 + i % 4}, R{30 + i % 4}, R{30 + i % 4}, R{30 + i % 4}" for i in range(200)]
 
-    def block(gather_base):
-        return ["LDG.E.64 R6, desc[UR4][R2.64]", "LDG.E.64 R16, desc[UR4][R2.64+0x8]",  # (two arrays' addresses)
+    def waits(gather_base, extra):
+        warp = flow.Warp(LAT, {TABLE, TABLE + 4, POS, POS + 4}, position_slots={POS, POS + 4})
+        warp.run([flow.parse(x) for x in PROLOGUE + ["LDC.64 R24, c[0x0][0x220]"]])
+        warp.t = max(warp.ready.values())
+        body = ["LDG.E.64 R6, desc[UR4][R2.64]", "LDG.E.64 R16, desc[UR4][R2.64+0x8]",  # (two arrays' addresses)
+                "LDG.E R26, desc[UR4][R24.64]", "LDG.E R27, desc[UR4][R2.64+0x10]",  # (a position, a table scalar)
                 "IMAD.WIDE.U32 R8, R20, 0x80, R6", "LDG.E R10, desc[UR4][R8.64]",  # a mask word
                 "IMAD.WIDE.U32 R12, R20, 0x80, R6", "IADD3 R12, P0, R12, 0x80, RZ", "CCTL.E.PF2 [R12]",
                 "POPC R11, R10", f"IMAD.WIDE.U32 R14, R20, 0x80, {gather_base}",  # its rank: an offset from data
+                *([f"IMAD.WIDE R14, {extra}, 0x4, R14"] if extra else []),
                 "IMAD.WIDE R14, R11, 0x2, R14", "LDG.E.U16 R18, desc[UR4][R14.64]", "FADD R19, R18, R18", *work,
                 "IADD3 R20, R20, 0x1, RZ"]
+        passes = [warp.run([flow.parse(x) for x in body]) for _ in range(6)]
+        return [w.source for p in passes[-2:] for w in p.waits if w.cycles > 100 and "U16" in w.on]
 
-    run(block("R6"), repeats=6)
-    inside = [w for p in run.passes[-2:] for w in p.waits if w.cycles > 100]
-    run(block("R16"), repeats=6)
-    other = [w for p in run.passes[-2:] for w in p.waits if w.cycles > 100]
-    assert {w.source for w in inside} == {"prefetched"} and "U16" in inside[-1].on
-    assert [w.source for w in other if "U16" in w.on] == ["dram", "dram"]
+    assert waits("R6", None) == waits("R6", "R26") == ["prefetched", "prefetched"]  # (data; data and a position)
+    assert waits("R16", None) == waits("R6", "R27") == ["dram", "dram"]  # (another array's base; a table scalar)

@@ -86,6 +86,9 @@ TABLES = {"partials": ("q_ptr", "aux_ptr", "seg_ptr", "head_ptr", "work_ptr", "l
                        "tab_ptr"),
           "merge": ("q_ptr", "head_ptr", "len_ptr")}
 L2_PARAMS = {"partials": (), "merge": ("acc_ptr", "ml_ptr")}
+# tables whose entries place a block (a work item: its chunk's tokens, its value tensor), not another array's rows:
+# a gather's address may also take them and still read the rows a prefetch asked for (sass_flow.Warp)
+POSITION = {"partials": ("work_ptr",), "merge": ()}
 PARAM_BASE = {90: 0x210, 80: 0x160}                 # the constant bank's first kernel parameter
 REPEATS = 6                                          # blocks run in a row; the last four averaged
 TAIL = ins.TAIL
@@ -126,6 +129,7 @@ class Kernel:
         self.unmapped = sorted({o for op in self.ops for o in op.cbank if o >= PARAM_BASE[arch]} - known)
         self.table_slots = set().union(*(slots[n] for n in TABLES[launch.kernel] if n in slots))
         self.l2_slots = set().union(*(slots[n] for n in L2_PARAMS[launch.kernel] if n in slots))
+        self.position_slots = set().union(*(slots[n] for n in POSITION[launch.kernel] if n in slots))
         inside = {i for loop in self.loops for i in range(loop.start, loop.end + 1)}
         self.outside = [i for i in range(len(self.text)) if i not in inside]
         self.warps = self.figures["num_warps"]
@@ -193,7 +197,7 @@ class Kernel:
         guarded by their null address do not issue)."""
         key = (tuple(body), lat, null_off)
         if key not in self._cache:
-            warp = Warp(lat, self.table_slots, self.l2_slots, null_off=null_off)
+            warp = Warp(lat, self.table_slots, self.l2_slots, null_off=null_off, position_slots=self.position_slots)
             warp.run([self.ops[i] for i in prologue])
             ops = [self.ops[i] for i in body]
             runs = [warp.run(ops) for _ in range(REPEATS)]

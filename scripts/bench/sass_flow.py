@@ -230,8 +230,10 @@ class Warp:
     producing kind of every pending result, each register's parameter provenance."""
 
     def __init__(self, lat: Latencies, table_slots: set[int], l2_slots: set[int] = frozenset(),
-                 first_touch: bool = False, null_off: bool = False):
+                 first_touch: bool = False, null_off: bool = False, position_slots: set[int] = frozenset()):
         self.lat, self.table, self.l2slots = lat, set(table_slots), set(l2_slots)
+        # table parameters whose entries say where a block is (a work item's chunk bounds), not where an array is
+        self.position = set(position_slots)
         self.first_touch = first_touch   # tables at L2 latency (a program's prologue), else L1
         self.null_off = null_off         # loads guarded by "a pointer read from a table is not null" do not issue
         self.tabled: set[str] = set()    # registers holding a value read straight from a table
@@ -339,7 +341,7 @@ class Warp:
                 # the prefetch asked for every line of the next block's rows (the latest such prefetch)
                 roots = self.roots(op)
                 asked = self.prefetched.get(roots)
-                if asked is None:  # (the other roots: loads of the stores' data, none a table's entry)
+                if asked is None:  # (the other roots: the stores' data or a position entry, no array's address)
                     within = [t for r, t in self.prefetched.items()
                               if r < roots and all(self.classes.get(x, "table") != "table" for x in roots - r)]
                     asked = max(within) if within else None
@@ -357,7 +359,9 @@ class Warp:
                 self.open = []
             elif op.kind == "global_load":
                 out.loads.append((pos, cls, op.width * 32))
-                self.classes[op.text] = cls
+                tables = (frozenset().union(*(self.prov.get(r, frozenset()) for r in op.addr)) | set(op.cbank)) \
+                    & self.table  # (a table entry of a position table only: "position")
+                self.classes[op.text] = "position" if cls == "table" and tables <= self.position else cls
             # provenance: ALU results carry their sources' parameters; global loads start afresh (LDC: its slot);
             # shared memory passes on what the latest store within 1 KB of the load's immediate offset stored (a
             # layout conversion: STS, BAR, LDS into the same scratch)
