@@ -288,8 +288,8 @@ def step_work(arch: Arch, rows: int, prompt: int, capacity: int, itemsize: int, 
     bytes per query row per chunk of at least 512 tokens (:meth:`~spark_bench.storage.segments.FusedTables.chunk_of`),
     no score tensor, and at a decode step the signed walk's per-step tables, one per row and kv-head
     (:func:`~spark_bench.storage.walk_layout.head_floats`; counted whatever the rows' methods, where the walk serves
-    the head_dim and the tiles do not serve the step, :func:`~spark_bench.storage.walk_layout.tiled`). A suffix of ``suffix`` tokens multiplies the query rows, its chunks bounded by
-    :data:`STEP_WORK_BOUND`."""
+    the head_dim and the tiles, which need none, do not serve the step: :func:`~spark_bench.storage.walk_layout.tiled`).
+    A suffix of ``suffix`` tokens multiplies the query rows, its chunks bounded by :data:`STEP_WORK_BOUND`."""
     h, hq, d = arch.num_kv_heads, arch.num_heads, arch.head_dim
     q_rows = max(1, suffix)
     common = rows * hq * q_rows * d * (8 + (itemsize if itemsize < 4 else 0)) + loose * h * prompt * d * (itemsize + 8) \

@@ -210,7 +210,8 @@ def _partials_kernel(q_ptr, aux_ptr, seg_ptr, head_ptr, work_ptr, list_ptr, acc_
     ~190 registers, ~70 fewer instructions per block); ``WALK``: the signed members are walked (:mod:`.triton_walk`;
     a decode step, ``n_rows ≤ RPM``), their per-step tables written at ``walk_ptr``, the constant table at ``tab_ptr``;
     ``TILE``: instead built into key and sign tiles a nibble at a time (:mod:`.triton_tiles`; a bfloat16 decode step
-    whose members hold :data:`~.walk_layout.TILE_ROWS` rows or more), the same constant table;
+    whose members hold :data:`~.walk_layout.TILE_ROWS` rows or more), their constant table
+    (:func:`~.walk_layout.tile_table`) at ``tab_ptr``, no per-step tables;
     ``AHEAD``: each whole block asks L2 for the next block's values and keys (:data:`PREFETCH`; not in a launch
     holding value-sparse values, whose registers it would spill: 12–60 bytes on sm_80 with every kind); ``RAGGED``: a
     segment's tokens keep different numbers of channels (:func:`~.triton_compact._keys`; off: not compiled in);

@@ -88,7 +88,8 @@ def _tile_keys(row, tab_ptr, local0, live, ahead, D: tl.constexpr, D_PAD: tl.con
     bits = tl.load(row + 7) + (sign_addr & 3) * 8  # (from the 4-byte aligned word below the array's start)
     if AHEAD:
         _signed_ahead(row, local0 + BLOCK_, ahead, t_kept, bits, sign_addr, D, D_PAD, BLOCK_, tl.bfloat16, 2)
-    # every load that needs the mask is issued before any of their data is used (one round trip after the mask's)
+    # the stores' loads that need the mask (sign words, kept entries) are issued before either's data is used: one
+    # round trip after the mask's (the constant table's rows, L1-resident, after)
     cnt = _popc(x)
     before = tl.cumsum(cnt, axis=1) - cnt  # kept channels in the words before each
     # each word's pruned channels' signs, in pruned order from bit `first` of the token's: one 32-bit window a word
@@ -104,7 +105,7 @@ def _tile_keys(row, tab_ptr, local0, live, ahead, D: tl.constexpr, D_PAD: tl.con
         ok = n > 0
     lo = tl.load(base[:, None] + (off >> 5), mask=ok, other=0)
     hi = tl.load(base[:, None] + (off >> 5) + 1, mask=ok & (shift + n > 32), other=0)
-    # per nibble: its first kept rank, four kept entries from there, placed by two byte permutes
+    # per nibble: its first kept rank, the four kept entries ending at its last, placed by two byte permutes
     g4 = (tl.arange(0, 8) * 4).to(tl.uint32)[None, None, :]
     X = x[:, :, None]
     nib = (X >> g4) & 15  # (tokens, words, 8)
@@ -143,7 +144,7 @@ def _tile_scores(s, member, m, heads, head_ptr, seg_ptr, tab_ptr, t0, t_end, q1,
     """Member ``m``'s logits over the ``BLOCK_`` tokens from ``t0`` (those before ``t_end``; AdaKV validity applied)
     into its rows of ``s``: :func:`_tile_keys`' tiles scored as the compact loop scores its own
     (:func:`~.triton_compact._compact_logits`). ``AHEAD``: the next block's bytes are asked of L2 once this block's
-    loads are issued."""
+    mask and μ loads are issued (:func:`_tile_keys`)."""
     hrow = head_ptr + tl.load(heads + m) * HEAD
     row = seg_ptr + tl.load(hrow) * SEG
     t = t0 + tl.arange(0, BLOCK_).to(tl.int64)

@@ -1,5 +1,7 @@
 """The fused decode's member loop for SparK's official recovery at a decode step (:mod:`.triton_decode`), by walks:
-each token's kept entries are visited where they are stored, never placed in a key tile.
+each token's kept entries are visited where they are stored, never placed in a key tile. It serves members of 1 or
+2 query rows, float32 stores and Triton before 3.6; a bfloat16 step of 4 rows a member or more builds tiles instead
+(:mod:`.triton_tiles`, :func:`~.walk_layout.tiled`).
 
 Per member (a query head's ``RPM`` rows) and token ``t`` the logit is (``segments.MODES`` 2, the C++ kernel's formula)
 
