@@ -378,6 +378,33 @@ def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels, group
         assert err < 1e-5, (i, err)
 
 
+def test_the_tiles_need_four_kept_entries_in_every_signed_segment():
+    """A bfloat16 decode step's signed rows are built into tiles only where every signed segment holds four kept
+    entries or more (a nibble's four are read together, moved back to stay inside the segment): one of three tokens
+    keeping one channel each (3 entries) sends the whole launch to the walk, its constant table the walk's; and
+    members of 2 query rows are walked whatever they hold (``walk_layout.tiled``)."""
+    from spark_bench.storage.walk_layout import TILE_TABLE_BYTES, WALK_TABLE_BYTES, tiled
+
+    g = torch.Generator().manual_seed(5)
+
+    def store(length, ratio):
+        keys = torch.randn(1, 2, length, 128, generator=g).bfloat16()
+        window = torch.randn(1, 16, 32, 128, generator=g).bfloat16()
+        return SparK(ratio=ratio).compress_keys(keys, LayerPrefill(keys, keys, window))
+
+    def tables(stores, members):
+        values = [DenseStore(torch.randn(1, 2, s.length, 128, generator=g).bfloat16()) for s in stores]
+        return FusedTables.build(SegmentStack(stores), ValueStack(values, 64), [None] * 2 * len(stores), members)
+
+    wide, few = store(40, 0.8), store(3, 0.995)
+    on = tiled(2, 2)  # (8 rows a member: False only under a Triton before 3.6, triton_versions.TILES)
+    assert few.row_kept * few.length == 3 and not tiled(8, 2)
+    for stores, members, tiles in (([wide], 2, on), ([wide, few], 2, False), ([wide], 8, False)):
+        t = tables(stores, members)
+        assert t.tiles == tiles and t.walk_tab is not None
+        assert t.walk_tab.numel() * 8 == (TILE_TABLE_BYTES if tiles else WALK_TABLE_BYTES)
+
+
 # ---- batched decoding with stacks --------------------------------------------------------------------------------
 
 MIX = [MethodConfig(name="full"), MethodConfig(name="snapkv", budget=64),
