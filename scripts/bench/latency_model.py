@@ -342,8 +342,8 @@ def model_partials(k: Kernel, items: list[dict], device: Device, dram_s: float, 
         blk_p = k.steady(k.before(last), trace_p, lat, null_off)
         whole_bytes = whole * block * it["bytes_per_token"]
         signed = sum(x == "signed" for x in kinds)
-        over_bytes = it["members"] * rpm * (d + 2) * 4 + (signed * head_floats(d, rpm) * 4 if k.launch.kinds & 16
-                                                           else 0)
+        over_bytes = it["members"] * rpm * (d + 2) * 4 + (signed * head_floats(d, rpm) * 4
+                                                           if k.figures["constants"].get("WALK") else 0)
         parts = [(whole, whole_bytes / max(whole, 1), blk), (partial, (nbytes - whole_bytes) / max(partial, 1), blk_p),
                  (it["programs"], over_bytes, prog)]
         for count, b, sim in parts:
