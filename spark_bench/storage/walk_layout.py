@@ -42,9 +42,10 @@ def walk_table() -> bytes:
 @functools.lru_cache(maxsize=1)
 def tile_table() -> bytes:
     """The tiles' constant table (uint32, little-endian). Per mask nibble (16 × 2): the ``PRMT`` selectors placing its
-    kept entries (channel ``j`` ← bytes ``2s, 2s + 1`` of the four entries loaded from the nibble's first kept rank,
-    ``s`` = its kept channels below ``j``; channels 0, 1 in the low half, 2, 3 in the high half: each half one
-    permute's four byte selectors), then the selectors that keep those channels' bytes and zero the others' (byte
+    kept entries (channel ``j`` ← bytes ``2s, 2s + 1`` of four entries from the nibble's first kept rank, ``s`` = its
+    kept channels below ``j``; channels 0, 1 in the low half, 2, 3 in the high half: each half one permute's four
+    byte selectors; the kernel, whose four end at the nibble's last kept entry, adds 2 to each selector per entry
+    read before the first), then the selectors that keep those channels' bytes and zero the others' (byte
     ``i`` ← ``i``, or 4: byte 0 of a zero word; same halves). Per (mask nibble, the next four sign bits of its pruned
     channels in pruned order) (256 × 2, from :data:`TILE_SIGNS`): the sign tile's four bfloat16 entries, in pairs:
     0 kept, +1 (0x3F80) pruned positive, −1 (0xBF80) pruned negative — :func:`~.triton_compact._keys`' ``S``."""
