@@ -253,9 +253,10 @@ FRAGMENTATION = 0.05  # per CUDA device: of the peak above the weights, reserved
 #                       (block rounding; the allocator runs with expandable_segments, engine/clock.py): an allowance
 
 
-CPU_RUNTIME_PER_LAYER = 9 * 2 ** 20  # CPU: resident memory a process's first decode batch holds per decoder layer
-#                                      besides its tensors (measured on this CPU, issue 46: SmolLM2's first batch
-#                                      270 MiB above its tensors over 30 layers, tiny-llama's ≈ 2 MiB over 2 layers)
+CPU_RUNTIME_PER_LAYER = 2 ** 20  # CPU: resident memory a process's decode batch holds per decoder layer besides its
+#                                 tensors (the heap's small blocks; measured on this CPU: SmolLM2's 2K batch 11 MiB
+#                                 over 30 layers, since every pass but the decode steps maps its large temporaries —
+#                                 runner.run_samples; before that, the heap's holes made it 60–270 MiB, run to run)
 
 
 def cpu_overhead(arch: Arch, device: Device, batch: int, footprint: Footprint) -> int:

@@ -226,28 +226,30 @@ def run_samples(lm: LoadedModel, work: list[tuple[Sample, list[Pipeline]]],
                 if k == last_of.get(sample.meta.get("context")):  # the context's last question: its caches go
                     shared = {key: c for key, c in shared.items() if key[0] != sample.meta.get("context")}
         return_freed_memory()  # what compression freed, before decoding allocates its tail
-        for i in dict.fromkeys(i for i, _ in chunk) if fidelity else ():  # each sample's suffixes, in fixed groups:
-            prime_rows(lm.model, [rows[k] for k, (j, _) in enumerate(chunk) if j == i], decode_stack, checks, configs,
-                       facts[i][0])  # its pass continues from them, whatever the batch (prime_rows)
+        with mapped_large_blocks():  # the suffixes' and the passes' large temporaries too: only the steps use the heap
+            for i in dict.fromkeys(i for i, _ in chunk) if fidelity else ():  # each sample's suffixes, in fixed groups:
+                prime_rows(lm.model, [rows[k] for k, (j, _) in enumerate(chunk) if j == i], decode_stack, checks,
+                           configs, facts[i][0])  # its pass continues from them, whatever the batch (prime_rows)
         decode_rows(lm.model, rows, stack=decode_stack, release=False, graph=decode_graph, checks=checks)
         passed = [] if fidelity else [(k, Fidelity(None, None, None, 0)) for k in range(len(chunk))]
-        for i in dict.fromkeys(i for i, _ in chunk) if fidelity else ():  # per sample in this batch, its rows' pass
-            mine = [(k, p) for k, (j, p) in enumerate(chunk) if j == i]
-            forced = [_forced(rows[k]) for k, _ in mine]
-            sample, at = work[i][0], None
-            if i not in compared and full is not None:  # the sample's first pass: the full row is its first
-                at = 0 if mine[0][1] is full else len(forced)
-                if at:
-                    again = rebuilt.pop(i)
-                    prime_rows(lm.model, [again], decode_stack, checks, configs, facts[i][0])
-                    forced.append(_forced(again))
-                compared[i] = (rows[mine[0][0]].tokens if not at else full_tokens[sample.id], None)
-            greedy, log_probs = compared.get(i, ([], None))
-            numbers, log_probs = measure(lm.model, forced, reference_ids(sample, lm.tokenizer), greedy, full=at,
-                                         full_log_probs=log_probs, stack=decode_stack, checks=checks,
-                                         configs=configs, width=facts[i][0])
-            compared[i] = (greedy, log_probs)
-            passed += [(k, f) for (k, _), f in zip(mine, numbers)]
+        with mapped_large_blocks():
+            for i in dict.fromkeys(i for i, _ in chunk) if fidelity else ():  # per sample in this batch, its rows' pass
+                mine = [(k, p) for k, (j, p) in enumerate(chunk) if j == i]
+                forced = [_forced(rows[k]) for k, _ in mine]
+                sample, at = work[i][0], None
+                if i not in compared and full is not None:  # the sample's first pass: the full row is its first
+                    at = 0 if mine[0][1] is full else len(forced)
+                    if at:
+                        again = rebuilt.pop(i)
+                        prime_rows(lm.model, [again], decode_stack, checks, configs, facts[i][0])
+                        forced.append(_forced(again))
+                    compared[i] = (rows[mine[0][0]].tokens if not at else full_tokens[sample.id], None)
+                greedy, log_probs = compared.get(i, ([], None))
+                numbers, log_probs = measure(lm.model, forced, reference_ids(sample, lm.tokenizer), greedy, full=at,
+                                             full_log_probs=log_probs, stack=decode_stack, checks=checks,
+                                             configs=configs, width=facts[i][0])
+                compared[i] = (greedy, log_probs)
+                passed += [(k, f) for (k, _), f in zip(mine, numbers)]
         per_row = [f for _, f in sorted(passed, key=lambda x: x[0])]
         for row in rows:
             row.cache = row.tail = None  # the batch's caches go once its passes are done

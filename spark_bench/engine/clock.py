@@ -128,11 +128,14 @@ def free_memory(device: torch.device | str) -> int:
 def mapped_large_blocks():
     """Within the block, every host allocation of 1 MiB or more is its own mapping, returned to the operating system
     when freed (glibc ``M_MMAP_THRESHOLD``); afterwards blocks up to 32 MiB come from the heap again. For the
-    prefill and compression, whose large temporaries glibc would otherwise keep in its heap after they are freed
-    (its threshold rises after the first large frees), so the resident set tracks what is live and the planner's
-    prediction can be checked against it. The price is page faults on fresh mappings: a SmolLM2 prefill of 4,096
-    tokens took 14.32 s instead of 13.23 s (1.08×, medians of 4, alternating, this CPU). Decoding keeps the heap:
-    its many per-step blocks would each cost a mapping."""
+    prefill, the compression, the suffixes' forwards and the fidelity pass (``runner.run_samples``), whose large
+    temporaries glibc would otherwise keep in its heap after they are freed (its threshold rises after the first
+    large frees), with holes that the small blocks allocated between them keep open, so the resident set tracks what
+    is live and the planner's prediction can be checked against it: with the two suffix passes on the heap, one
+    SmolLM2 2K run's peak moved between 1,333 and 1,596 MiB from process to process, mapped it stays within
+    1,303–1,329 MiB. The price is page faults on fresh mappings: a SmolLM2 prefill of 4,096 tokens took 14.32 s
+    instead of 13.23 s (1.08×, medians of 4, alternating, this CPU). The decode steps keep the heap: their many
+    per-step blocks would each cost a mapping."""
     libc = _libc()
     if libc is not None:
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
