@@ -318,7 +318,7 @@ def test_fused_decode_equals_float64_attention(triton_kernels, head_dim, group, 
 
 
 @pytest.mark.parametrize("group", [2, 8], ids=["walk", "tiles"])
-def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels, group):
+def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels, group, monkeypatch):
     """A decode step's official-recovery rows — walked at 2 query rows a member
     (:mod:`spark_bench.storage.triton_walk`), built into tiles a nibble at a time from 4
     (:mod:`spark_bench.storage.triton_tiles`; the float64 test above runs both at head_dim 32 to 128 with bfloat16
@@ -326,7 +326,8 @@ def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels, group
     a run crossing a word boundary, T = 2 (lanes with no kept rank), T close to head_dim; rows of three ratios and
     lengths in one launch (masked last blocks), bfloat16: equal to float64 attention within 1e-5 relative. The tiles
     equal the compact loop's key and sign tiles entry for entry, so their output is the compact loop's bit for bit
-    (the same launch without the constant table)."""
+    (the same launch without the constant table). The partial softmaxes' 64-bit row offsets (``WIDE``: a buffer of
+    2³¹ floats or more) give the 32-bit ones' output bit for bit."""
     g = torch.Generator().manual_seed(11)
     head_dim = 128
     n_words = head_dim // 32
@@ -372,6 +373,9 @@ def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels, group
     assert (kw["WALK"], kw["TILE"]) == ((False, True) if tiles else (True, False)) and tiles == (group == 8 and TILES)
     if tiles:  # the compact loop's logits, bit for bit
         assert torch.equal(out, attend(dataclasses.replace(tables, walk_tab=None)))
+    assert not kw["WIDE"]
+    monkeypatch.setattr(triton_kernels, "WIDE_FLOATS", 0)
+    assert torch.equal(out, attend(tables))
     for i, (store, value) in enumerate(zip(stores, values)):
         ref = _float64_attention(store, value, queries[i:i + 1], tail_k[i:i + 1], tail_v[i:i + 1], filled, 1)
         err = ((out[i:i + 1].double() - ref).abs().max() / ref.abs().max()).item()
