@@ -451,24 +451,27 @@ def test_the_rank_popcount_counts_the_set_bits_of_every_word(triton_on_cpu):
 
 
 def test_a_decode_step_without_recovering_members_launches_lean():
-    """The partials launch's register limit: 168 (3 CTAs of 4 warps per SM) for a bfloat16 decode step whose work
-    items hold dense, structured or bare keys only, no ragged or value-sparse store; else 255 (every recovering,
+    """The partials launch's register limit: 128 (4 CTAs of 4 warps per SM) for a bfloat16 decode step whose work
+    items hold dense or structured keys only, 168 (3 CTAs) with bare keys among them, no ragged or value-sparse store
+    either way; else 255 (every recovering,
     ragged or value-sparse launch, a suffix, the float32 kernel's 8 warps) — what the dispatch passes Triton; and
     where it walks the official recovery's rows, and where it builds them into tiles."""
     from spark_bench.storage import triton_decode as td
     from spark_bench.storage.gpu_compile import Launch, _arguments
     from spark_bench.storage.triton_versions import TILES
 
-    lean = [("dense",), ("structured", "bare"), ("dense", "structured", "bare")]
-    for kinds in lean:
+    lean = {("dense",): 128, ("structured",): 128, ("dense", "structured"): 128, ("bare",): 168,
+            ("structured", "bare"): 168, ("dense", "structured", "bare"): 168}
+    for kinds, limit in lean.items():
         mask = sum(1 << KINDS.index(k) for k in kinds)
-        assert td.max_registers(mask, 4, True, False, False) == td.LEAN_REGISTERS == 168
+        assert td.max_registers(mask, 4, True, False, False) == limit
         assert td.max_registers(mask, 8, True, False, False) == td.max_registers(mask, 4, False, False, False) == 255
         assert td.max_registers(mask, 4, True, True, False) == td.max_registers(mask, 4, True, False, True) == 255
     for kind in ("plain", "signed"):
         assert td.max_registers(1 << KINDS.index(kind) | 1, 4, True, False, False) == td.MAX_REGISTERS == 255
-    asked = {kinds: _arguments(Launch("partials", 128, 4, kinds=kinds))[2]["maxnreg"] for kinds in (6, 31)}
-    assert asked == {6: 168, 31: 255} or td.PARTIAL_WARPS[2] != 4
+    assert (td.DENSE_REGISTERS, td.LEAN_REGISTERS) == (128, 168)
+    asked = {kinds: _arguments(Launch("partials", 128, 4, kinds=kinds))[2]["maxnreg"] for kinds in (2, 6, 31)}
+    assert asked == {2: 128, 6: 168, 31: 255} or td.PARTIAL_WARPS[2] != 4
     # the signed walk at a decode step, except in a float32 launch holding a ragged store (its registers would
     # spill); a bfloat16 step whose members hold 4 query rows or more (GQA 4, 8) builds tiles instead
     # (storage/triton_tiles.py)

@@ -21,7 +21,8 @@ from spark_bench.storage.segments import KINDS  # noqa: E402
 SHAPES = [(64, 3), (128, 4), (128, 8)]
 # the partials kernel's KINDS when one method's rows decode alone: full or eviction (dense keys), ThinK (structured
 # keys, bare where an item holds its recent tokens), SparK zero/none or AdaKV (bare), paper/constant recoveries
-# (plain), the official recovery (signed); and a batch of those without a recovery (triton_decode.LEAN_REGISTERS)
+# (plain), the official recovery (signed); and a batch of those without a recovery (triton_decode.LEAN_REGISTERS;
+# dense and structured keys alone: DENSE_REGISTERS)
 ALONE = {name: sum(1 << KINDS.index(k) for k in kinds) for name, kinds in (
     ("dense", ["dense"]), ("think", ["structured", "bare"]), ("bare", ["bare"]), ("plain", ["plain"]),
     ("signed", ["signed"]), ("no_recovery", ["dense", "structured", "bare"]))}

@@ -77,16 +77,23 @@ MERGE_BLOCK = 16  # tail tokens per step of the merge
 # a decode step's bfloat16 launch (4 warps) whose work items hold no recovering member (dense, structured and bare
 # keys alone: full, eviction, ThinK, zero/none recoveries, AdaKV) and no ragged or value-sparse store fits 168
 # registers without a spill (sm_80/sm_90, D 64/128; results/bench/compile.json): 3 CTAs per SM, not 2 — half again
-# the bytes in flight (sm_90 D=128 GQA 4, modelled: ThinK(0.8) 12 → 21 KB per SM, a dense row 17 → 31 KB)
+# the bytes in flight (sm_90 D=128 GQA 4, modelled: ThinK(0.8) 12 → 21 KB per SM, a dense row 17 → 31 KB); one whose
+# members hold dense and structured keys alone (full, eviction, ThinK, AdaKV) fits 128: 4 CTAs per SM (ThinK(0.8) on
+# sm_80 at 0.5 µs 14.6 → 25.8 KB, 86 → 90% of the bound; bare keys' loop spills 16–152 bytes there)
 LEAN_REGISTERS = 168
+DENSE_REGISTERS = 128
 RECOVERING = (1 << KINDS.index("plain")) | (1 << KINDS.index("signed"))
+BARE = 1 << KINDS.index("bare")
 
 
 def max_registers(kinds: int, warps: int, step: bool, ragged: bool, vsparse: bool) -> int:
-    """The partials launch's register limit (Triton's ``maxnreg``): :data:`LEAN_REGISTERS` for a decode step's
-    4-warp launch without recovering members, ragged or value-sparse stores, else :data:`MAX_REGISTERS`."""
+    """The partials launch's register limit (Triton's ``maxnreg``) for a decode step's 4-warp launch without
+    recovering members, ragged or value-sparse stores: :data:`DENSE_REGISTERS` without bare members either,
+    :data:`LEAN_REGISTERS` with them; else :data:`MAX_REGISTERS`."""
     lean = warps == 4 and step and not kinds & RECOVERING and not ragged and not vsparse
-    return LEAN_REGISTERS if lean else MAX_REGISTERS
+    if not lean:
+        return MAX_REGISTERS
+    return LEAN_REGISTERS if kinds & BARE else DENSE_REGISTERS
 
 
 @triton.jit
