@@ -453,9 +453,9 @@ def test_the_rank_popcount_counts_the_set_bits_of_every_word(triton_on_cpu):
 def test_a_decode_step_without_recovering_members_launches_lean():
     """The partials launch's register limit: 128 (4 CTAs of 4 warps per SM) for a bfloat16 decode step whose work
     items hold dense or structured keys only, 168 (3 CTAs) with bare keys among them, no ragged or value-sparse store
-    either way; else 255 (every recovering,
-    ragged or value-sparse launch, a suffix, the float32 kernel's 8 warps) — what the dispatch passes Triton; and
-    where it walks the official recovery's rows, and where it builds them into tiles."""
+    either way; else 255 (every recovering, ragged or value-sparse launch, a suffix, the float32 kernel's 8 warps) —
+    what the dispatch passes Triton; and where it walks the official recovery's rows, and where it builds them into
+    tiles."""
     from spark_bench.storage import triton_decode as td
     from spark_bench.storage.gpu_compile import Launch, _arguments
     from spark_bench.storage.triton_versions import TILES
