@@ -327,7 +327,7 @@ def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels, group
     lengths in one launch (masked last blocks), bfloat16: equal to float64 attention within 1e-5 relative. The tiles
     equal the compact loop's key and sign tiles entry for entry, so their output is the compact loop's bit for bit
     (the same launch without the constant table). The partial softmaxes' 64-bit row offsets (``WIDE``: a buffer of
-    2³¹ floats or more) give the 32-bit ones' output bit for bit."""
+    2³¹ floats or more) give the 32-bit ones' output bit for bit (checked once, on the tiles' launch)."""
     g = torch.Generator().manual_seed(11)
     head_dim = 128
     n_words = head_dim // 32
@@ -374,8 +374,9 @@ def test_the_signed_walk_equals_float64_on_clustered_masks(triton_kernels, group
     if tiles:  # the compact loop's logits, bit for bit
         assert torch.equal(out, attend(dataclasses.replace(tables, walk_tab=None)))
     assert not kw["WIDE"]
-    monkeypatch.setattr(triton_kernels, "WIDE_FLOATS", 0)
-    assert torch.equal(out, attend(tables))
+    if group == 8:  # (the epilogue is the same whatever the member loops)
+        monkeypatch.setattr(triton_kernels, "WIDE_FLOATS", 0)
+        assert torch.equal(out, attend(tables))
     for i, (store, value) in enumerate(zip(stores, values)):
         ref = _float64_attention(store, value, queries[i:i + 1], tail_k[i:i + 1], tail_v[i:i + 1], filled, 1)
         err = ((out[i:i + 1].double() - ref).abs().max() / ref.abs().max()).item()
